@@ -1,0 +1,34 @@
+"""Models kvnotes can load by name, their offline weights and their family adapters."""
+
+from kvnotes.models.adapters import FAMILIES, FamilyAdapter, adapter_for
+from kvnotes.models.loading import (
+    LoadedModel,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    wrap_model,
+)
+from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec, model_names, register
+from kvnotes.models.weights import WeightsError, cache_dir, fetch, prepare
+
+__all__ = [
+    "FAMILIES",
+    "FamilyAdapter",
+    "LoadedModel",
+    "ModelSpec",
+    "UnknownModelError",
+    "WeightsError",
+    "adapter_for",
+    "cache_dir",
+    "fetch",
+    "get_spec",
+    "load_model",
+    "load_tokenizer",
+    "model_names",
+    "prepare",
+    "register",
+    "resolve_device",
+    "resolve_dtype",
+    "wrap_model",
+]
