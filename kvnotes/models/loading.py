@@ -140,7 +140,8 @@ def load_model(
             f"converted model folder {path} is unreadable ({e}); delete it to reconvert: "
             f"rm -r {path}"
         ) from e
-    hf.to(dev).eval()
+    hf.to(dev)  # type: ignore[arg-type]
+    hf.eval()
     if spec.source == "hub":
         checksum = getattr(hf.config, "_commit_hash", None)
     return LoadedModel(name, hf, tok, adapter, spec, checksum, path)
@@ -157,7 +158,8 @@ def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> An
 
 def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> LoadedModel:
     """Wrap an already-built HF causal LM (e.g. a tiny random one) for the kvnotes engine."""
-    adapter = adapter_for(hf.config.get_text_config(decoder=True).model_type)
+    config: Any = hf.config
+    adapter = adapter_for(config.get_text_config(decoder=True).model_type)
     hf.eval()
     return LoadedModel(name, hf, tokenizer, adapter)
 

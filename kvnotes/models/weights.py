@@ -175,9 +175,8 @@ def convert(spec: ModelSpec, root: Path) -> Path:
     if is_converted(spec, root):
         return out
     gguf = gguf_path(spec, root)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors (once; takes about a minute)", spec.name)
     steps = tqdm(total=3, desc=f"convert {spec.name}")
@@ -186,7 +185,7 @@ def convert(spec: ModelSpec, root: Path) -> Path:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     steps.update(1)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ class FamilyAdapter:
 
     # --- config facts -------------------------------------------------------------------
     def text_config(self, model: nn.Module) -> Any:
-        return model.config.get_text_config(decoder=True)
+        config: Any = model.config
+        return config.get_text_config(decoder=True)
 
     def layer_types(self, model: nn.Module) -> list[str]:
         cfg = self.text_config(model)

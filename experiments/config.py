@@ -1,0 +1,188 @@
+"""Typed schemas of a run's configuration, checked before any model loads.
+
+Hydra composes configs/config.yaml (+ model/, task/, probe/ or experiment/) over the dataclasses
+below, registered in Hydra's ConfigStore: a misspelt key or a wrong type fails at composition,
+and `validate` then builds the dataclasses, whose `__post_init__` checks values (a model name
+that is not registered lists the valid ones). Each registered probe or experiment gets a schema
+node `<name>_schema` (its own config class plus `name`) that its yaml lists in `defaults`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments import registry
+
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KINDS: tuple[registry.Kind, ...] = ("probe", "experiment")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what is valid."""
+
+
+def _check_dtype(dtype: str, where: str) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"{where}={dtype!r} is not a dtype; valid: {', '.join(DTYPES)}")
+
+
+@dataclass
+class ModelConfig:
+    """Which registered model to load (configs/model/<name>.yaml, one per registered name)."""
+
+    name: str = MISSING
+    dtype: str = "auto"  # auto: the registry's default dtype for this model
+    margin: float = 1.0  # minimum |score_new - score_old| for an item to count as usable
+    chat: bool = True  # apply the chat template when the tokenizer has one
+    tiny_family: str | None = None  # tests: a tiny random model of this family, no weights
+
+    def __post_init__(self) -> None:
+        if self.name == MISSING:  # the bare schema, before a model yaml fills it in
+            return
+        if self.tiny_family is not None:
+            from kvnotes.models import FAMILIES
+
+            if self.tiny_family not in FAMILIES:
+                raise ConfigError(
+                    f"model.tiny_family={self.tiny_family!r}; valid families: {', '.join(FAMILIES)}"
+                )
+            if self.name != f"tiny-{self.tiny_family}":
+                raise ConfigError(f"a tiny model is named tiny-{self.tiny_family}, not {self.name!r}")
+        else:
+            from kvnotes.models import UnknownModelError, get_spec
+
+            try:
+                get_spec(self.name)
+            except UnknownModelError as e:
+                raise ConfigError(f"model.name: {e}") from None
+        _check_dtype(self.dtype, "model.dtype")
+        if not self.margin >= 0:
+            raise ConfigError(f"model.margin must be >= 0, got {self.margin}")
+
+
+@dataclass
+class RunConfig:
+    """The top level: what to run (probe or experiment), on which model, where results go."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    seed: int = 0
+    device: str = "auto"  # auto: CUDA when available, else CPU
+    dtype: str = "auto"  # auto: model.dtype
+    results_dir: str = "results/runs"  # relative to the working directory
+    resume: bool = True  # continue the newest unfinished run with the same config hash
+    cache_dir: str | None = None  # None: ~/.cache/kvnotes
+    progress: bool = True  # tqdm bars over units
+    task: Any = None  # task suite (configs/task/), read by kvnotes.tasks
+    probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
+    experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
+
+    def __post_init__(self) -> None:
+        if not DEVICE.match(self.device):
+            raise ConfigError(f"device={self.device!r}; valid: auto, cpu, cuda, cuda:<n>")
+        _check_dtype(self.dtype, "dtype")
+        if not self.results_dir:
+            raise ConfigError("results_dir must not be empty")
+
+
+@dataclass
+class SelfcheckConfig:
+    """The composition gate: splice a block after a prefix, repair K seam tokens, compare."""
+
+    n_blocks: int = 4  # probe blocks, each a seeded draw of policy sentences
+    block_sentences: int = 8  # sentences per block (~100-200 tokens)
+    prefix_sentences: int = 4  # sentences in the prefix the block is spliced after
+    seams: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16])
+    threshold: float = 0.95  # a seam passes when its mean logit cosine is >= this
+    atol: float | None = None  # exactness tolerance on logits/cache; None: by dtype
+    n_boot: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.n_blocks < 1 or self.block_sentences < 1 or self.prefix_sentences < 1:
+            raise ConfigError("n_blocks, block_sentences and prefix_sentences must be >= 1")
+        if not self.seams or any(k < 0 for k in self.seams):
+            raise ConfigError(f"seams must be a non-empty list of ints >= 0, got {self.seams}")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold is a cosine in [-1, 1], got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated run: the typed top level, what to run and that job's own typed config."""
+
+    cfg: RunConfig
+    kind: registry.Kind
+    name: str
+    params: Any  # instance of the entry's config class (a DictConfig when it has none)
+    entry: registry.Entry
+
+
+def schema_node(name: str, config_cls: type | None) -> DictConfig:
+    """The ConfigStore node of a probe/experiment: its typed config plus a fixed `name`."""
+    node = OmegaConf.structured(config_cls) if config_cls is not None else OmegaConf.create({})
+    with open_dict(node):
+        node.name = name
+    return node
+
+
+def register_schemas() -> None:
+    """Store RunConfig, ModelConfig and every registered entry's schema in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    for kind in KINDS:
+        for name in registry.names(kind):
+            entry = registry.get(kind, name)
+            cs.store(group=kind, name=f"{name}_schema", node=schema_node(name, entry.config_cls))
+
+
+def valid_jobs() -> str:
+    return "; ".join(
+        f"valid {kind}s: {', '.join(registry.names(kind)) or '(none)'} (+{kind}=<name>)"
+        for kind in KINDS
+    )
+
+
+def _job_name(kind: str, node: Any) -> str:
+    name = node.get("name") if isinstance(node, DictConfig | dict) else None
+    if not name:
+        raise ConfigError(
+            f"the {kind} config has no name: configs/{kind}/<name>.yaml must list "
+            f"`defaults: [<name>_schema, _self_]`"
+        )
+    return str(name)
+
+
+def validate(cfg: DictConfig) -> Job:
+    """Typed, checked view of a composed config; raises ConfigError naming what is valid."""
+    try:
+        run_cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e)) from None
+    chosen = [k for k in KINDS if getattr(run_cfg, k) is not None]
+    if len(chosen) != 1:
+        what = "both +probe and +experiment" if chosen else "no +probe or +experiment"
+        raise ConfigError(f"{what} given; {valid_jobs()}")
+    kind = chosen[0]
+    node = cfg[kind]
+    name = _job_name(kind, node)
+    try:
+        entry = registry.get(kind, name)
+    except KeyError as e:
+        raise ConfigError(f"{e.args[0]}; {valid_jobs()}") from None
+    body = OmegaConf.masked_copy(node, [k for k in node if k != "name"])
+    try:
+        if entry.config_cls is None:
+            params: Any = body
+        else:
+            params = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(entry.config_cls), body))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{kind} {name}: {e}") from None
+    return Job(run_cfg, kind, name, params, entry)

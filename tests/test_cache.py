@@ -1,0 +1,73 @@
+"""KVCache value semantics and patching."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvnotes import run
+from kvnotes.cache import KVCache, cat, patch, stack
+
+
+def _rand_cache(layers: int, pos: int, seed: int, batch: int = 1) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    ks = tuple(torch.randn(batch, 2, pos, 8, generator=g) for _ in range(layers))
+    vs = tuple(torch.randn(batch, 2, pos, 8, generator=g) for _ in range(layers))
+    return KVCache(ks, vs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 5),
+    pos=st.integers(1, 40),
+    data=st.data(),
+)
+def test_patch_properties(layers, pos, data):
+    a, b = _rand_cache(layers, pos, 0), _rand_cache(layers, pos, 1)
+    positions = data.draw(st.lists(st.integers(0, pos - 1), unique=True, max_size=pos))
+    chosen = data.draw(st.lists(st.integers(0, layers - 1), unique=True, min_size=1))
+    out = patch(a, b, positions, chosen)
+    for i in range(layers):
+        for t_out, t_a, t_b in ((out.keys[i], a.keys[i], b.keys[i]), (out.values[i], a.values[i], b.values[i])):
+            for p in range(pos):
+                want = t_b if (i in chosen and p in positions) else t_a
+                assert torch.equal(t_out[:, :, p], want[:, :, p])
+    # inputs untouched
+    assert a.max_abs_diff(_rand_cache(layers, pos, 0)) == 0.0
+
+
+def test_patch_everything_gives_source_exactly(tiny):
+    g = torch.Generator().manual_seed(3)
+    a = run.prefill(tiny, torch.randint(0, 128, (1, 30), generator=g)).cache
+    b = run.prefill(tiny, torch.randint(0, 128, (1, 30), generator=g)).cache
+    assert patch(a, b, list(range(30))).max_abs_diff(b) == 0.0
+    assert patch(a, b).max_abs_diff(b) == 0.0
+
+
+def test_patch_refuses_misaligned_and_out_of_range():
+    a, b = _rand_cache(2, 10, 0), _rand_cache(2, 11, 1)
+    with pytest.raises(ValueError, match="aligned"):
+        patch(a, b, [0])
+    with pytest.raises(IndexError, match="positions"):
+        patch(a, _rand_cache(2, 10, 1), [10])
+    with pytest.raises(IndexError, match="layers"):
+        patch(a, _rand_cache(2, 10, 1), [0], layers=[5])
+
+
+def test_dynamic_roundtrip_is_a_copy():
+    a = _rand_cache(3, 7, 0)
+    dyn = a.to_dynamic()
+    back = KVCache.from_dynamic(dyn)
+    assert back.max_abs_diff(a) == 0.0
+    dyn.layers[0].keys.add_(1.0)  # mutating the DynamicCache must not reach `a`
+    assert a.max_abs_diff(_rand_cache(3, 7, 0)) == 0.0
+
+
+def test_cat_slice_select_stack():
+    a = _rand_cache(2, 10, 0)
+    assert cat([a.slice(0, 4), a.slice(4)]).max_abs_diff(a) == 0.0
+    assert a.select([1, 3]).seq_len == 2
+    s = stack([a, _rand_cache(2, 10, 1)])
+    assert s.batch == 2 and s.batch_item(0).max_abs_diff(a) == 0.0
+    with pytest.raises(ValueError, match="different lengths"):
+        stack([a, _rand_cache(2, 9, 1)])

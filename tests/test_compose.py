@@ -1,0 +1,60 @@
+"""Splicing precompiled blocks: seam K = L is the full recompute; K = 0 is close on real models."""
+
+import pytest
+import torch
+from conftest import ATOL_FP32
+
+from kvnotes import compose, run
+
+
+def _ids(n, seed):
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_seam_full_length_equals_full_recompute(tiny):
+    prefix, block = _ids(30, 0), _ids(20, 1)
+    pre = run.prefill(tiny, prefix).cache
+    b = compose.prefill_block(tiny, block)
+    spliced = compose.splice(tiny, pre, b, seam=len(b))
+    full = run.prefill(tiny, torch.cat([prefix, block], 1)).cache
+    assert spliced.max_abs_diff(full) <= ATOL_FP32
+
+
+def test_splice_at_zero_is_the_block(tiny):
+    b = compose.prefill_block(tiny, _ids(10, 2))
+    assert compose.splice(tiny, None, b).max_abs_diff(b.cache) == 0.0
+
+
+def test_splice_partial_seam_keeps_length_and_prefix(tiny):
+    prefix, block = _ids(15, 0), _ids(12, 1)
+    pre = run.prefill(tiny, prefix).cache
+    out = compose.splice(tiny, pre, compose.prefill_block(tiny, block), seam=3)
+    assert out.seq_len == 27
+    assert out.slice(0, 15).max_abs_diff(pre) == 0.0
+
+
+def test_splice_many_and_bad_seam(tiny):
+    blocks = [compose.prefill_block(tiny, _ids(8, s)) for s in range(3)]
+    out = compose.splice_many(tiny, None, blocks, seam=8)
+    full = run.prefill(tiny, compose.block_ids(blocks)).cache
+    assert out.max_abs_diff(full) <= ATOL_FP32
+    with pytest.raises(ValueError, match="seam"):
+        compose.splice(tiny, None, blocks[0], seam=9)
+
+
+@pytest.mark.real
+def test_real_llama_splice_fidelity(llama):
+    tok = llama.tokenizer
+    prefix = tok("You are a support agent. Follow the policy below.\n", return_tensors="pt").input_ids
+    block = tok("Policy: refunds are issued only for orders that have not shipped. "
+                "Shipped orders must be escalated to a human.\n", return_tensors="pt").input_ids
+    q = tok("Question: the order has shipped. Next action:", return_tensors="pt").input_ids
+    full_ids = torch.cat([prefix, block, q], 1)
+    ref = run.full_logits(llama, full_ids)[0, -1]
+    pre = run.prefill(llama, prefix).cache
+    b = compose.prefill_block(llama, block)
+    exact = run.extend(llama, compose.splice(llama, pre, b, seam=len(b)), q).logits[0, -1]
+    assert (exact - ref).abs().max().item() <= ATOL_FP32
+    got = run.extend(llama, compose.splice(llama, pre, b, seam=0), q).logits[0, -1]
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
+    assert cos > 0.9, cos

@@ -1,0 +1,52 @@
+"""prefill + extend must be the full forward; the caller's cache must never change."""
+
+import pytest
+import torch
+from conftest import ATOL_FP32
+
+from kvnotes import run
+
+
+def _ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("split", [1, 17, 39])
+def test_prefill_then_extend_equals_full_forward(tiny, split):
+    ids = _ids(60)  # longer than the tiny sliding window (24)
+    full = run.full_logits(tiny, ids)
+    a = run.prefill(tiny, ids[:, :split], logits_to_keep=0)
+    b = run.extend(tiny, a.cache, ids[:, split:], logits_to_keep=0)
+    got = torch.cat([a.logits, b.logits], dim=1)
+    assert (got - full).abs().max().item() <= ATOL_FP32
+
+
+def test_extend_does_not_mutate_input_cache(tiny):
+    ids = _ids(20)
+    c = run.prefill(tiny, ids[:, :10]).cache
+    before = c.clone()
+    run.extend(tiny, c, ids[:, 10:])
+    assert c.seq_len == 10 and c.max_abs_diff(before) == 0.0
+
+
+def test_extend_many_matches_one_by_one(tiny):
+    ids = _ids(30)
+    caches = [run.prefill(tiny, _ids(20, seed=s)).cache for s in range(5)]
+    batched = run.extend_many(tiny, caches, ids[:, 20:23], batch_size=2)
+    single = torch.cat([run.extend(tiny, c, ids[:, 20:23]).logits for c in caches])
+    assert (batched - single).abs().max().item() <= ATOL_FP32
+
+
+def test_bad_ids_are_refused(tiny):
+    with pytest.raises(ValueError, match="non-empty"):
+        run.prefill(tiny, torch.zeros(1, 0, dtype=torch.long))
+
+
+@pytest.mark.real
+def test_real_llama_prefill_extend_equals_full(llama):
+    ids = llama.tokenizer("The capital of France is Paris. The capital of Spain is", return_tensors="pt").input_ids
+    full = run.full_logits(llama, ids)
+    n = ids.shape[1] // 2
+    a = run.prefill(llama, ids[:, :n], logits_to_keep=0)
+    b = run.extend(llama, a.cache, ids[:, n:], logits_to_keep=0)
+    assert (torch.cat([a.logits, b.logits], 1) - full).abs().max().item() <= ATOL_FP32
