@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from kvnotes import attention
 from kvnotes.cache import KVCache, stack
 from kvnotes.models.loading import LoadedModel
 
@@ -98,3 +99,60 @@ def full_logits(model: LoadedModel, ids: Ids) -> Float[Tensor, "batch pos vocab"
     """Plain forward without any cache: the reference every cached path must match."""
     x = as_ids(model, ids)
     return model.hf(input_ids=x, use_cache=False).logits.float()
+
+
+@torch.inference_mode()
+def read_variants(
+    model: LoadedModel,
+    base: KVCache,
+    src: KVCache,
+    positions: Sequence[Sequence[int]],
+    ids: Ids,
+    layers: Sequence[Sequence[int] | None] | None = None,
+    key_mask: Tensor | None = None,
+    batch_size: int = 128,
+) -> Float[Tensor, "n tail vocab"]:
+    """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
+
+    Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i, without
+    building the patched caches (see kvnotes.attention). `key_mask[i, p]` also hides key p.
+    """
+    x = as_ids(model, ids)
+    if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
+        raise ValueError("read_variants needs aligned batch-1 caches")
+    n, L = len(positions), base.n_layers
+    width = max([len(p) for p in positions] + [1])
+    pos = torch.full((n, width), -1, dtype=torch.long)
+    lay = torch.zeros(n, L, dtype=torch.bool)
+    for i, p in enumerate(positions):
+        pos[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        chosen = None if layers is None else layers[i]
+        lay[i, list(range(L)) if chosen is None else list(chosen)] = True
+    if pos.numel() and pos.max() >= base.seq_len:
+        raise IndexError(f"positions out of range 0..{base.seq_len - 1}")
+    name = attention.register()
+    cfg = model.hf.config
+    saved = cfg._attn_implementation
+    base_d, src_d = base.to(device=model.device), src.to(device=model.device)
+    out = []
+    try:
+        cfg._attn_implementation = name
+        for s in range(0, n, batch_size):
+            b = min(batch_size, n - s)
+            var = attention.Variants(
+                base_d, src_d, pos[s : s + b], lay[s : s + b],
+                None if key_mask is None else key_mask[s : s + b],
+            )
+            xb = x.expand(b, -1)
+            positions_ids = torch.arange(base.seq_len, base.seq_len + x.shape[1], device=model.device)
+            res = model.hf(
+                input_ids=xb,
+                position_ids=positions_ids[None].expand(b, -1),
+                use_cache=False,
+                kvnotes_variants=var,
+                logits_to_keep=0,
+            )
+            out.append(res.logits.float())
+    finally:
+        cfg._attn_implementation = saved
+    return torch.cat(out, dim=0)

@@ -50,3 +50,21 @@ def test_real_llama_prefill_extend_equals_full(llama):
     a = run.prefill(llama, ids[:, :n], logits_to_keep=0)
     b = run.extend(llama, a.cache, ids[:, n:], logits_to_keep=0)
     assert (torch.cat([a.logits, b.logits], 1) - full).abs().max().item() <= ATOL_FP32
+
+
+def test_read_variants_equals_materialised_patches(tiny):
+    """The batched variant attention is exact: same logits as building each patched cache."""
+    from kvnotes.cache import patch
+
+    g = torch.Generator().manual_seed(0)
+    a = run.prefill(tiny, torch.randint(0, 128, (1, 40), generator=g)).cache
+    b = run.prefill(tiny, torch.randint(0, 128, (1, 40), generator=g)).cache
+    tail = torch.randint(0, 128, (1, 3), generator=g)
+    positions = [[0], [5], [39], [3, 7, 3], [], list(range(10, 40))]
+    layers = [None, None, [1], [0, 2], None, [1, 3]]
+    got = run.read_variants(tiny, a, b, positions, tail, layers, batch_size=4)
+    want = torch.cat(
+        [run.extend(tiny, patch(a, b, p, l), tail, logits_to_keep=0).logits for p, l in zip(positions, layers)]
+    )
+    assert (got - want).abs().max().item() <= ATOL_FP32
+    assert tiny.hf.config._attn_implementation == tiny.adapter.attn_implementation  # restored
