@@ -1,0 +1,111 @@
+"""Probe `patching`: where does the decision live? Locality patching on the KV cache.
+
+Per usable item: recovery of stale (0), field-only (the field's own K/V from the new run),
+full-downstream (the field and everything after it) and oracle (1); the per-position map (one
+position, all layers, new into old) and per-layer recovery (one layer's K/V over the positions
+after the field). The paper finds field-only ~ 0 and full-downstream = 1: the field's conclusion
+is memoised in downstream "note" tokens. Positions before the field hold identical K/V in both
+runs, so their recovery is exactly 0 and they are not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from experiments.registry import register
+from kvnotes.models.loading import LoadedModel
+from kvnotes.patching import PatchPair, make_pair, patched_scores, recoveries
+from kvnotes.tasks.item import TaskItem
+from probes._common import (
+    by_condition,
+    curve,
+    item_fields,
+    resolve_margin,
+    skip_reason,
+    skip_summary,
+    skipped_record,
+)
+
+CONDITIONS = ("stale", "field_only", "full_downstream", "oracle")
+
+
+@dataclass
+class PatchingConfig:
+    margin: float | None = None  # None: the model config's margin
+    per_position: bool = True  # the per-position map (one variant per downstream position)
+    per_layer: bool = True
+    batch_size: int = 128  # patched variants read per forward
+    unit_size: int = 1  # items per resumable unit
+    n_boot: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.margin is not None and self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}")
+        if self.batch_size < 1 or self.unit_size < 0:
+            raise ValueError("batch_size must be >= 1 and unit_size >= 0")
+
+
+def _decode(model: LoadedModel, ids: Sequence[int]) -> list[str]:
+    return [model.tokenizer.decode([i]) for i in ids] if model.tokenizer is not None else [""] * len(ids)
+
+
+def item_records(
+    model: LoadedModel, pair: PatchPair, cfg: PatchingConfig, margin: float
+) -> list[dict[str, Any]]:
+    """All patching records of one usable item."""
+    item = pair.item
+    base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
+                                "score_oracle": pair.score_oracle}
+    states = [[], pair.field_positions, pair.field_to_end, list(range(pair.n_cached))]
+    scores = patched_scores(model, pair, states, batch_size=cfg.batch_size)
+    rec = recoveries(pair, scores)
+    out = [base | {"condition": c, "score": float(s), "recovery": float(r)}
+           for c, s, r in zip(CONDITIONS, scores, rec, strict=True)]
+    if cfg.per_layer:
+        down = pair.downstream_positions
+        layers = list(range(model.n_layers))
+        s = patched_scores(model, pair, [down] * len(layers), [[layer] for layer in layers], batch_size=cfg.batch_size)
+        out += [base | {"condition": "layer", "layer": layer, "rel_layer": layer / (len(layers) - 1),
+                        "score": float(a), "recovery": float(b)}
+                for layer, a, b in zip(layers, s, recoveries(pair, s), strict=True)]
+    if cfg.per_position:
+        positions = pair.field_to_end
+        s = patched_scores(model, pair, [[p] for p in positions], batch_size=cfg.batch_size)
+        tokens = _decode(model, [item.old_ids[p] for p in positions])
+        aggregators = set(item.aggregators)
+        out += [base | {"condition": "position", "position": p, "token": t,
+                        "in_field": p < item.field_span[1], "is_aggregator": p in aggregators,
+                        "score": float(a), "recovery": float(b)}
+                for p, t, a, b in zip(positions, tokens, s, recoveries(pair, s), strict=True)]
+    return out
+
+
+def run(model: LoadedModel, items: Sequence[TaskItem], cfg: PatchingConfig) -> list[dict[str, Any]]:
+    margin = resolve_margin(model, cfg.margin)
+    records: list[dict[str, Any]] = []
+    for item in items:
+        pair = make_pair(model, item)
+        reason = skip_reason(pair, margin)
+        records += [skipped_record(pair, margin, reason)] if reason else item_records(model, pair, cfg, margin)
+    return records
+
+
+def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict[str, Any]:
+    out = skip_summary(records)
+    out["recovery"] = by_condition(records, CONDITIONS)
+    pos = [r for r in records if r.get("condition") == "position"]
+    if pos:
+        out["per_position"] = {
+            "field": by_condition([r for r in pos if r["in_field"]], ["position"])["position"],
+            "downstream_aggregator": by_condition([r for r in pos if not r["in_field"] and r["is_aggregator"]], ["position"])["position"],
+            "downstream_other": by_condition([r for r in pos if not r["in_field"] and not r["is_aggregator"]], ["position"])["position"],
+        }
+    if any(r.get("condition") == "layer" for r in records):
+        out["per_layer"] = curve(records, "layer", "layer")
+    return out
+
+
+register("probe", "patching", PatchingConfig, summarize=summarize,
+         help="locality patching: field-only vs full-downstream, per-position and per-layer maps")(run)
