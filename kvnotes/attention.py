@@ -27,7 +27,10 @@ class Variants:
     """B variants of `base`: variant b takes K/V at positions[b] (padded with -1) from `src`.
 
     `layers[b, l]` says whether variant b patches layer l. The tail tokens sit right after the
-    base cache; `key_mask[b, n]` (optional) removes key n from variant b's attention (knockout).
+    base cache. Knockout: `key_mask[b, n]` removes cached key n from variant b's attention (-inf
+    before the softmax) at the layers of `mask_layers[b]` and the query heads of `mask_heads[b]`
+    (None: all). `capture`, when given, receives each layer's attention weights of the tail,
+    [batch, head, tail, pos + tail], under key `layer`.
     """
 
     base: KVCache
@@ -35,6 +38,9 @@ class Variants:
     positions: Int[Tensor, "batch m"]
     layers: Bool[Tensor, "batch layer"]
     key_mask: Bool[Tensor, "batch pos"] | None = None
+    mask_layers: Bool[Tensor, "batch layer"] | None = None
+    mask_heads: Bool[Tensor, "batch head"] | None = None
+    capture: dict[int, Tensor] | None = None
 
 
 def _patched_attention(
@@ -53,7 +59,7 @@ def _patched_attention(
     if kvnotes_variants is None:
         raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.run.read_variants)")
     var = kvnotes_variants
-    layer = int(getattr(module, "layer_idx"))
+    layer = int(module.layer_idx)
     B, H, T, D = query.shape
     KV = key.shape[1]
     g = H // KV
@@ -86,9 +92,10 @@ def _patched_attention(
         allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     if var.key_mask is not None:
-        km = torch.cat([var.key_mask.to(query.device), torch.zeros(B, T, dtype=torch.bool, device=query.device)], 1)
-        scores = scores.masked_fill(km[:, None, None, None, :], float("-inf"))
+        scores = scores.masked_fill(_knockout(var, layer, B, KV, g, T, query.device), float("-inf"))
     w = torch.softmax(scores, dim=-1)  # [B, KV, g, T, N+T]
+    if var.capture is not None:
+        var.capture[layer] = w.reshape(B, H, T, N + T).detach().cpu()
 
     out = torch.einsum("bkgtn,knd->bkgtd", w[..., :N], vb.float())
     out = out + torch.einsum("bkgts,bksd->bkgtd", w[..., N:], value.float())
@@ -99,6 +106,22 @@ def _patched_attention(
     out = out + torch.einsum("bkgtm,kbmd->bkgtd", w_patch, dv)
     out = out.reshape(B, H, T, D).transpose(1, 2).to(query.dtype)  # [B, T, H, d]
     return out, None
+
+
+def _knockout(
+    var: Variants, layer: int, B: int, KV: int, g: int, T: int, device: torch.device
+) -> Bool[Tensor, "batch kv_head g 1 key"]:
+    """Where the knockout hides keys, shaped to broadcast over the grouped scores."""
+    assert var.key_mask is not None
+    km = var.key_mask.to(device)  # [B, N]
+    if var.mask_layers is not None:
+        km = km & var.mask_layers[:, layer].to(device)[:, None]
+    km = torch.cat([km, torch.zeros(B, T, dtype=torch.bool, device=device)], 1)  # tail never masked
+    full = km[:, None, None, None, :].expand(B, KV, g, 1, -1)
+    if var.mask_heads is not None:
+        heads = var.mask_heads.to(device).reshape(B, KV, g)[..., None, None]  # query head h = k*g + j
+        full = full & heads
+    return full
 
 
 def _first_occurrence(idx: Int[Tensor, "batch m"]) -> Bool[Tensor, "batch m"]:

@@ -111,11 +111,16 @@ def read_variants(
     layers: Sequence[Sequence[int] | None] | None = None,
     key_mask: Tensor | None = None,
     batch_size: int = 128,
+    mask_layers: Tensor | None = None,
+    mask_heads: Tensor | None = None,
+    capture: list[dict[int, Tensor]] | None = None,
 ) -> Float[Tensor, "n tail vocab"]:
     """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
 
     Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i, without
-    building the patched caches (see kvnotes.attention). `key_mask[i, p]` also hides key p.
+    building the patched caches (see kvnotes.attention). Knockout: `key_mask[i, p]` hides cached
+    key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
+    `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
     """
     x = as_ids(model, ids)
     if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
@@ -139,9 +144,13 @@ def read_variants(
         cfg._attn_implementation = name
         for s in range(0, n, batch_size):
             b = min(batch_size, n - s)
+            sl = slice(s, s + b)
             var = attention.Variants(
-                base_d, src_d, pos[s : s + b], lay[s : s + b],
-                None if key_mask is None else key_mask[s : s + b],
+                base_d, src_d, pos[sl], lay[sl],
+                None if key_mask is None else key_mask[sl],
+                None if mask_layers is None else mask_layers[sl],
+                None if mask_heads is None else mask_heads[sl],
+                None if capture is None else {},
             )
             xb = x.expand(b, -1)
             positions_ids = torch.arange(base.seq_len, base.seq_len + x.shape[1], device=model.device)
@@ -153,6 +162,8 @@ def read_variants(
                 logits_to_keep=0,
             )
             out.append(res.logits.float())
+            if capture is not None and var.capture is not None:
+                capture.append(var.capture)
     finally:
         cfg._attn_implementation = saved
     return torch.cat(out, dim=0)

@@ -68,3 +68,52 @@ def test_read_variants_equals_materialised_patches(tiny):
     )
     assert (got - want).abs().max().item() <= ATOL_FP32
     assert tiny.hf.config._attn_implementation == tiny.adapter.attn_implementation  # restored
+
+
+def _eager(tiny):
+    """Same weights, eager attention: the reference for masks and attention weights."""
+    import copy
+
+    ref = copy.deepcopy(tiny.hf)
+    ref.config._attn_implementation = "eager"
+    return ref
+
+
+def test_knockout_all_layers_equals_a_4d_mask(tiny):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (1, 30), generator=g)
+    cache = run.prefill(tiny, ids[:, :-1]).cache
+    masked = [2, 5, 20, 28]
+    km = torch.zeros(1, 29, dtype=torch.bool)
+    km[0, masked] = True
+    got = run.read_variants(tiny, cache, cache, [[]], ids[:, -1:], key_mask=km)[0, -1]
+    allowed = torch.ones(30, 30).tril().bool()
+    allowed[-1, masked] = False
+    additive = torch.zeros(30, 30).masked_fill(~allowed, float("-inf"))  # a 4D mask is additive
+    with torch.inference_mode():
+        want = _eager(tiny)(input_ids=ids, attention_mask=additive[None, None]).logits[0, -1]
+    assert (got - want).abs().max().item() <= ATOL_FP32
+
+
+def test_knockout_respects_layers_and_heads_and_capture_matches_eager(tiny):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (1, 20), generator=g)
+    cache = run.prefill(tiny, ids[:, :-1]).cache
+    n_heads = tiny.adapter.n_heads(tiny.hf)
+    km = torch.zeros(2, 19, dtype=torch.bool)
+    km[:, 3] = True
+    layers = torch.zeros(2, tiny.n_layers, dtype=torch.bool)
+    layers[1, 1] = True
+    heads = torch.zeros(2, n_heads, dtype=torch.bool)
+    heads[1, 0] = True
+    cap: list = []
+    run.read_variants(tiny, cache, cache, [[], []], ids[:, -1:], key_mask=km,
+                      mask_layers=layers, mask_heads=heads, capture=cap)
+    w = cap[0]  # {layer: [2, head, 1, 20]}
+    assert w[1][1, 0, 0, 3] == 0 and w[1][1, 1, 0, 3] > 0  # only head 0 of layer 1 masked
+    assert w[0][1, :, 0, 3].min() > 0  # nothing masked at layer 0
+    assert w[0][0, :, 0, 3].min() > 0  # variant 0: no layers chosen, nothing masked
+    with torch.inference_mode():
+        ref = _eager(tiny)(input_ids=ids, output_attentions=True).attentions
+    for layer in range(tiny.n_layers):
+        assert (w[layer][0, :, 0] - ref[layer][0, :, -1]).abs().max().item() <= 1e-5
