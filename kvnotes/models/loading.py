@@ -7,6 +7,7 @@ objects, so interventions through nnsight and cache edits through kvnotes see th
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,9 +76,14 @@ class LoadedModel:
     def nnsight(self) -> Any:
         """The same model wrapped in `nnsight.LanguageModel` (built once, on first use)."""
         if self._nnsight is None:
-            from nnsight import LanguageModel
+            if self.tokenizer is None:
+                raise ValueError("nnsight needs a tokenizer: wrap_model(hf, tokenizer=...)")
+            from nnsight import TransformersModel
 
-            self._nnsight = LanguageModel(self.hf, tokenizer=self.tokenizer)
+            # nnsight sets padding_side/pad_token on the tokenizer it gets: give it a copy
+            self._nnsight = TransformersModel(
+                self.hf, tokenizer=copy.deepcopy(self.tokenizer), task="text-generation"
+            )
         return self._nnsight
 
     def provenance(self) -> dict[str, Any]:
