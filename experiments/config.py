@@ -4,13 +4,15 @@ Hydra composes configs/config.yaml (+ model/, task/, probe/ or experiment/) over
 below, registered in Hydra's ConfigStore: a misspelt key or a wrong type fails at composition,
 and `validate` then builds the dataclasses, whose `__post_init__` checks values (a model name
 that is not registered lists the valid ones). Each registered probe or experiment gets a schema
-node `<name>_schema` (its own config class plus `name`) that its yaml lists in `defaults`.
+node schema/<kind>/<name> (its own config class plus a fixed `name`); a yaml in configs/<kind>/ is
+optional and, when present, lists `/schema/<kind>/<name>@_here_` first in `defaults`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -18,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from experiments import registry
 
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KINDS: tuple[registry.Kind, ...] = ("probe", "experiment")
@@ -130,17 +133,24 @@ def schema_node(name: str, config_cls: type | None) -> DictConfig:
     return node
 
 
-def register_schemas() -> None:
-    """Store RunConfig, ModelConfig and every registered entry's schema in Hydra's ConfigStore."""
+def register_schemas(config_dir: Path = CONFIG_DIR) -> None:
+    """Store RunConfig, ModelConfig and every registered entry's schema in Hydra's ConfigStore.
+
+    A registered job without configs/<kind>/<name>.yaml gets its schema stored as the option
+    <kind>/<name> itself, so `+probe=<name>` works with the dataclass defaults; a yaml, when
+    present, lists the schema first and overrides what it needs.
+    """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="schema", name="model", node=ModelConfig)
     for kind in KINDS:
         for name in registry.names(kind):
-            entry = registry.get(kind, name)
-            cs.store(group=kind, name=f"{name}_schema", node=schema_node(name, entry.config_cls))
+            node = schema_node(name, registry.get(kind, name).config_cls)
+            cs.store(group=f"schema/{kind}", name=name, node=node)
+            if not (config_dir / kind / f"{name}.yaml").exists():
+                cs.store(group=kind, name=name, node=node)
 
 
 def valid_jobs() -> str:
@@ -151,22 +161,29 @@ def valid_jobs() -> str:
 
 
 def _job_name(kind: str, node: Any) -> str:
+    if isinstance(node, str):  # +probe=<name> with no configs/probe/ group: a plain value
+        raise ConfigError(f"configs/{kind}/{node}.yaml does not exist; {valid_jobs()}")
     name = node.get("name") if isinstance(node, DictConfig | dict) else None
     if not name:
         raise ConfigError(
             f"the {kind} config has no name: configs/{kind}/<name>.yaml must list "
-            f"`defaults: [<name>_schema, _self_]`"
+            f"`defaults: [/schema/{kind}/<name>@_here_, _self_]`"
         )
     return str(name)
 
 
+def _typed(cls: type, node: Any, where: str) -> Any:
+    """Instance of `cls` from `node` (type checks by OmegaConf, value checks by __post_init__)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}{e}") from None
+
+
 def validate(cfg: DictConfig) -> Job:
     """Typed, checked view of a composed config; raises ConfigError naming what is valid."""
-    try:
-        run_cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise ConfigError(str(e)) from None
-    chosen = [k for k in KINDS if getattr(run_cfg, k) is not None]
+    run_cfg: RunConfig = _typed(RunConfig, cfg, "")
+    chosen = [k for k in KINDS if cfg.get(k) is not None]
     if len(chosen) != 1:
         what = "both +probe and +experiment" if chosen else "no +probe or +experiment"
         raise ConfigError(f"{what} given; {valid_jobs()}")
@@ -178,11 +195,5 @@ def validate(cfg: DictConfig) -> Job:
     except KeyError as e:
         raise ConfigError(f"{e.args[0]}; {valid_jobs()}") from None
     body = OmegaConf.masked_copy(node, [k for k in node if k != "name"])
-    try:
-        if entry.config_cls is None:
-            params: Any = body
-        else:
-            params = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(entry.config_cls), body))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{kind} {name}: {e}") from None
+    params = body if entry.config_cls is None else _typed(entry.config_cls, body, f"{kind} {name}: ")
     return Job(run_cfg, kind, name, params, entry)

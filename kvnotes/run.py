@@ -167,3 +167,97 @@ def read_variants(
     finally:
         cfg._attn_implementation = saved
     return torch.cat(out, dim=0)
+
+
+def _additive_masks(
+    model: LoadedModel, q_pos: Tensor, k_pos: Tensor, allowed: Tensor
+) -> Tensor | dict[str, Tensor]:
+    """4D additive masks [1, 1, q, k] from a boolean `allowed`, one per layer type.
+
+    Sliding-window layers also need |q - k| < window (by position, not cache index); models
+    whose layers mix types take a {layer_type: mask} mapping, the others a single mask.
+    """
+    out: dict[str, Tensor] = {}
+    for i, kind in enumerate(model.adapter.layer_types(model.hf)):
+        if kind in out:
+            continue
+        ok = allowed
+        window = model.adapter.sliding_window(model.hf, i)
+        if window:
+            ok = ok & ((q_pos[:, None] - k_pos[None, :]) < window)
+        mask = torch.zeros(ok.shape, dtype=model.dtype, device=ok.device)
+        out[kind] = mask.masked_fill(~ok, torch.finfo(model.dtype).min)[None, None]
+    return next(iter(out.values())) if len(out) == 1 else out
+
+
+@torch.inference_mode()
+def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[int]) -> KVCache:
+    """A copy of `cache` whose K/V at `positions` are recomputed from `ids` against the rest.
+
+    `ids` are the tokens of the whole cached sequence as it should now read (e.g. the new
+    prompt); the tokens at `positions` run through the model at their own positions, seeing the
+    cached K/V of every other earlier position (stale neighbours) and each other causally:
+    selective recompute, what a real system can do without the oracle. All downstream positions
+    recomputed equals a re-prefill from the first of them.
+    """
+    x = as_ids(model, ids)
+    n = cache.seq_len
+    chosen = sorted(set(int(p) for p in positions))
+    if not chosen:
+        return cache
+    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
+        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    dev = model.device
+    p = torch.tensor(chosen, device=dev)
+    j = torch.arange(n, device=dev)
+    replaced = torch.zeros(n, dtype=torch.bool, device=dev)
+    replaced[p] = True
+    see_cache = (j[None, :] < p[:, None]) & ~replaced[None, :]  # [k, n] stale neighbours
+    see_new = p[None, :] <= p[:, None]  # [k, k] the recomputed tokens, causally
+    allowed = torch.cat([see_cache, see_new], dim=1)  # keys: the n cached, then the k new
+    masks = _additive_masks(model, p, torch.cat([j, p]), allowed)
+    out = model.hf(
+        input_ids=x[:, p],
+        past_key_values=cache.to(device=dev).to_dynamic(),
+        position_ids=p[None],
+        attention_mask=masks,
+        use_cache=True,
+    )
+    fresh = KVCache.from_dynamic(out.past_key_values)
+
+    def put(old: Tensor, new: Tensor) -> Tensor:
+        res = old.to(dev).clone()
+        res[:, :, p] = new[:, :, n:]
+        return res
+
+    return KVCache(
+        tuple(put(a, b) for a, b in zip(cache.keys, fresh.keys)),
+        tuple(put(a, b) for a, b in zip(cache.values, fresh.values)),
+    )
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.inference_mode()
+def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch kv_head pos d_head"]:
+    """Keys of `layer` for a fresh prefill of `ids`, running only layers 0..layer (CacheBlend's check)."""
+    from transformers import DynamicCache
+
+    x = as_ids(model, ids)
+    past = DynamicCache()
+    target = model.adapter.layers(model.hf)[layer]
+
+    def stop(*_: object) -> None:
+        raise _Stop
+
+    handle = target.register_forward_hook(stop)
+    try:
+        model.hf(input_ids=x, past_key_values=past, use_cache=True,
+                 position_ids=torch.arange(x.shape[1], device=model.device)[None])
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return past.layers[layer].keys

@@ -1,0 +1,198 @@
+"""Run directories: provenance, resumable record units written atomically, summaries.
+
+A run lives in <results_dir>/<probe-or-experiment>/<model>/<timestamp>/ with config.yaml,
+meta.json (provenance, timing, status), parts/<unit>.parquet while it runs, then
+records.parquet and summary.json. Each unit (an item, a block) is written to a temporary file
+and renamed into place, so a unit is either wholly on disk or absent; a rerun with the same
+config hash continues in the newest unfinished directory and skips the units already there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+UNIT = "unit"  # column naming the unit a record was written in
+NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress")  # do not change results
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomic JSON write (tmp + rename). NaN is written as NaN, never replaced by a sentinel."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def config_hash(cfg: DictConfig, device: str) -> str:
+    """sha256 (12 hex) of the resolved config minus the keys that cannot change a result."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    data = {k: v for k, v in data.items() if k not in NOT_HASHED and k != "hydra"}
+    data["_device"] = device
+    blob = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def unit_filename(key: object) -> str:
+    """A safe, unique file stem for a unit key (unsafe characters replaced, hash appended)."""
+    text = str(key)
+    safe = re.sub(r"[^A-Za-z0-9._=-]", "_", text)[:80]
+    if safe != text or safe.startswith("."):
+        safe = f"{safe}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
+    return safe
+
+
+class RecordWriter:
+    """Appends the records of one unit at a time as parts/<unit>.parquet, atomically."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.parts = run_dir / "parts"
+        self.records_path = run_dir / "records.parquet"
+        self.parts.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: object) -> Path:
+        return self.parts / f"{unit_filename(key)}.parquet"
+
+    def done(self, key: object) -> bool:
+        """Whether this unit is already on disk (a rerun skips it)."""
+        return self._path(key).exists()
+
+    def write(self, key: object, records: Iterable[Mapping[str, Any]]) -> None:
+        """All records of unit `key` (possibly none: the unit still counts as done)."""
+        rows = [dict(r) for r in records]
+        if any(UNIT in r for r in rows):
+            raise ValueError(f"records may not carry a {UNIT!r} column; it names the unit")
+        frame = pd.DataFrame(rows)
+        frame.insert(0, UNIT, str(key))
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.tmp")
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+
+    def n_done(self) -> int:
+        return len(list(self.parts.glob("*.parquet")))
+
+    def read(self) -> pd.DataFrame:
+        """Every unit written so far, concatenated in unit-file order."""
+        frames = [pd.read_parquet(p) for p in sorted(self.parts.glob("*.parquet"))]
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({UNIT: []})
+
+    def finalize(self) -> pd.DataFrame:
+        """Concatenate the parts into records.parquet (atomically); the parts stay until cleanup."""
+        frame = self.read()
+        tmp = self.records_path.with_name(f".{self.records_path.name}.tmp")
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, self.records_path)
+        return frame
+
+    def cleanup(self) -> None:
+        """Drop the parts once the run is completed (records.parquet holds them all)."""
+        for p in self.parts.glob("*.parquet"):
+            p.unlink()
+        self.parts.rmdir()
+
+
+def _stamp() -> str:
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def new_dir(parent: Path) -> Path:
+    """parent/<timestamp>, with a -1, -2, ... suffix if that second is already taken."""
+    parent.mkdir(parents=True, exist_ok=True)
+    base = _stamp()
+    for i in range(1000):
+        path = parent / (base if i == 0 else f"{base}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a run directory under {parent}")
+
+
+def find_unfinished(parent: Path, chash: str) -> Path | None:
+    """The newest run under `parent` with this config hash whose status is not completed."""
+    if not parent.is_dir():
+        return None
+    for path in sorted((p for p in parent.iterdir() if p.is_dir()), reverse=True):
+        meta = path / "meta.json"
+        if not meta.exists():
+            continue
+        try:
+            m = read_json(meta)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if m.get("config_hash") == chash and m.get("status") != "completed":
+            return path
+    return None
+
+
+@dataclass
+class RunDir:
+    """A run directory and its meta.json, which tracks status across attempts."""
+
+    path: Path
+    meta: dict[str, Any]
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def open(
+        cls, results_dir: Path, job: str, model: str, cfg: DictConfig, chash: str, resume: bool,
+        meta: Mapping[str, Any],
+    ) -> RunDir:
+        """Resume the newest unfinished run with hash `chash` (if `resume`), else start one."""
+        parent = Path(results_dir) / job / model
+        found = find_unfinished(parent, chash) if resume else None
+        if found is not None:
+            old = read_json(found / "meta.json")
+            run = cls(found, {**old, **meta, "start_time": old.get("start_time")})
+        else:
+            path = new_dir(parent)
+            (path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            run = cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []})
+        attempt = {"start_time": now_iso(), "git_commit": meta.get("git", {}).get("commit")}
+        run.meta["attempts"] = [*run.meta.get("attempts", []), attempt]
+        run.set_status("running")
+        return run
+
+    @property
+    def resumed(self) -> bool:
+        return len(self.meta["attempts"]) > 1
+
+    def update(self, **fields: Any) -> None:
+        self.meta.update(fields)
+        write_json(self.path / "meta.json", self.meta)
+
+    def set_status(self, status: str, error: str | None = None) -> None:
+        """running | completed | interrupted | failed; closes the current attempt's timing."""
+        attempt = self.meta["attempts"][-1]
+        attempt["status"] = status
+        if status != "running":
+            attempt["end_time"] = now_iso()
+            attempt["wall_s"] = round(time.monotonic() - self.started, 3)
+            self.meta["end_time"] = attempt["end_time"]
+            self.meta["wall_s"] = round(sum(a.get("wall_s", 0.0) for a in self.meta["attempts"]), 3)
+        self.update(status=status, error=error)
+
+    def write_summary(self, summary: Mapping[str, Any]) -> None:
+        write_json(self.path / "summary.json", dict(summary))

@@ -1,0 +1,119 @@
+"""Experiment `selfcheck`: the composition correctness gate on a real model.
+
+Each probe block is a seeded draw of policy sentences (~100-200 tokens), prefilled alone,
+RoPE-repositioned after a prefix and spliced with its first K tokens recomputed
+(`kvnotes.compose.self_check`). Its last-position logits after a short question are compared
+with a full recompute: cosine, top-1 agreement, KL. A seam K passes when its mean cosine is
+>= `threshold`; the gate passes when every K passes and both exactness checks (prefill + extend
+vs a cache-free forward, K = L splice vs full prefill cache) are within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from experiments.config import SelfcheckConfig
+from experiments.registry import register
+from kvnotes.metrics import bootstrap_ci
+
+if TYPE_CHECKING:
+    from experiments.run import Context
+
+SENTENCES = (
+    "Refunds are issued only for orders that have not yet shipped.",
+    "Shipped orders must be escalated to a human agent before any money is returned.",
+    "An account marked as suspended may not change its billing details.",
+    "Verified administrators can reset passwords for any user in their organisation.",
+    "Deployments to production require two approvals from the release team.",
+    "Hotfixes may skip the staging environment only during a declared incident.",
+    "Prescriptions for controlled substances need a signature from the attending physician.",
+    "Loan applications above fifty thousand dollars are reviewed by a senior underwriter.",
+    "Legal holds override every data retention rule until the hold is lifted.",
+    "Incidents of severity one page the on-call engineer within five minutes.",
+    "Visa applicants must present a passport valid for at least six months.",
+    "Enterprise customers receive a dedicated support channel and a four-hour response time.",
+    "Standard tier customers are answered within two business days.",
+    "When safety mode is restricted, the assistant declines to run shell commands.",
+    "Every tool call is logged together with the user request that triggered it.",
+    "Customer data may be exported only to the customer who owns it.",
+    "Discount codes cannot be combined with seasonal promotions.",
+    "Orders cancelled within one hour of purchase are refunded automatically.",
+    "Support agents must confirm the customer's identity before discussing an order.",
+    "Invoices are sent on the first business day of each month.",
+    "Accounts inactive for a year are archived after a written notice.",
+    "Security reviews are mandatory for any change to the authentication service.",
+    "Replacement items are shipped only after the original item is returned.",
+    "Escalations must include the order number and a short summary of the problem.",
+)
+PREFIX_HEAD = "System: You are a careful operations assistant. Apply the rules below.\n"
+BLOCK_HEAD = "Policy handbook, section {i}:\n"
+QUESTION = "\nQuestion: a customer asks for a refund on an order that has shipped. Next action:"
+ATOL = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.5}  # max |logit or K/V diff|, rough
+
+
+def texts(index: int, seed: int, cfg: SelfcheckConfig) -> tuple[str, str]:
+    """(prefix, block) for probe block `index`: disjoint seeded draws from SENTENCES."""
+    rng = random.Random(seed * 1_000_003 + index)
+    n = cfg.prefix_sentences + cfg.block_sentences
+    draw = [SENTENCES[i % len(SENTENCES)] for i in rng.sample(range(max(n, len(SENTENCES))), n)]
+    prefix = PREFIX_HEAD + " ".join(draw[: cfg.prefix_sentences]) + "\n"
+    block = BLOCK_HEAD.format(i=index + 1) + " ".join(draw[cfg.prefix_sentences :])
+    return prefix, block
+
+
+def encode(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def summarize(records: list[dict[str, Any]], cfg: SelfcheckConfig) -> dict[str, Any]:
+    """Per seam: mean cosine with a bootstrap CI, top-1 agreement, KL, pass; then the gate."""
+    df = pd.DataFrame(records)
+    seams: dict[str, Any] = {}
+    for k, g in df.groupby("seam", sort=True):
+        mean, lo, hi, n = bootstrap_ci(g["cosine"], n_boot=cfg.n_boot)
+        agree, alo, ahi, _ = bootstrap_ci(g["top1_agree"].astype(float), n_boot=cfg.n_boot)
+        seams[str(k)] = {
+            "cosine": mean, "cosine_lo": lo, "cosine_hi": hi, "n": n,
+            "top1_agree": agree, "top1_lo": alo, "top1_hi": ahi,
+            "kl": float(np.nanmean(g["kl"])),
+            "pass": bool(mean >= cfg.threshold),
+        }
+    dtype = str(df["dtype"].iloc[0])
+    atol = cfg.atol if cfg.atol is not None else ATOL.get(dtype, 1e-3)
+    exact = {
+        "max_abs_diff_extend": float(df["max_abs_diff_extend"].max()),
+        "max_abs_diff_splice_full": float(df["max_abs_diff_splice_full"].max()),
+        "atol": atol,
+    }
+    exact["pass"] = bool(max(exact["max_abs_diff_extend"], exact["max_abs_diff_splice_full"]) <= atol)
+    return {
+        "threshold": cfg.threshold,
+        "n_blocks": int(df["block"].nunique()),
+        "block_len_mean": float(df["block_len"].mean()),
+        "seams": seams,
+        "exact": exact,
+        "pass": bool(exact["pass"] and all(s["pass"] for s in seams.values())),
+    }
+
+
+@register("experiment", "selfcheck", SelfcheckConfig, summarize=summarize)
+def run(ctx: Context) -> None:
+    """Composition gate: spliced block + seam repair vs full recompute, per seam K."""
+    from kvnotes.compose import self_check
+
+    cfg: SelfcheckConfig = ctx.params
+    tok = ctx.model.tokenizer
+    question = encode(tok, QUESTION, special=False)
+    dtype = str(ctx.model.dtype).removeprefix("torch.")
+    units = {f"block-{i:03d}": i for i in range(cfg.n_blocks)}
+    for key in ctx.pending(list(units), desc="selfcheck blocks"):
+        index = units[key]
+        prefix_text, block_text = texts(index, ctx.cfg.seed, cfg)
+        block = encode(tok, block_text, special=False)
+        seams = sorted({min(k, len(block)) for k in cfg.seams})
+        rows = self_check(ctx.model, encode(tok, prefix_text, True), block, question, seams)
+        ctx.write(key, [{"block": index, "dtype": dtype, **r} for r in rows])

@@ -1,0 +1,77 @@
+"""Experiment `validate_tasks`: which task items does this model condition on?
+
+For each item of the configured suite (`task=<suite>`): outcome logits under the old and new
+prompt, |score_new - score_old|, argmax correctness under both values. An item is usable for
+recovery when |delta| >= margin (the model config's margin unless this config sets one), and
+for P(correct) when, in addition, both argmax decisions are correct. Writes one record per
+item, usable_ids.json (what probes read to skip the rest) and a per-domain summary.
+
+    python -m experiments.run +experiment=validate_tasks model=qwen-1.5b task=gated
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from experiments.output import write_json
+from experiments.registry import register
+from kvnotes.tasks import summarize as summarize_records
+from kvnotes.tasks.validate import record, usable_ids
+
+if TYPE_CHECKING:
+    from experiments.run import Context
+
+USABLE_IDS = "usable_ids.json"
+
+
+@dataclass
+class ValidateTasksConfig:
+    """margin: None takes the model config's margin (never lowered silently: it is reported)."""
+
+    margin: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.margin is not None and not self.margin >= 0:
+            raise ValueError(f"margin must be >= 0 or null, got {self.margin}")
+
+
+def _clean(r: dict[str, Any]) -> dict[str, Any]:
+    """Records read back from parquet: NaN skip reasons -> None, numpy scalars -> Python."""
+    out = {}
+    for k, v in r.items():
+        if hasattr(v, "item") and not hasattr(v, "__len__"):
+            v = v.item()
+        if k.startswith("skip_") and isinstance(v, float) and math.isnan(v):
+            v = None
+        out[k] = v
+    return out
+
+
+def summarize(records: list[dict[str, Any]], cfg: ValidateTasksConfig) -> dict[str, Any]:
+    """n_items, n_usable, margin, skips by reason, and per domain accuracy / flip rate / |delta|."""
+    rows = [_clean(r) for r in records]
+    out = summarize_records(rows)
+    out["usable_ids_file"] = USABLE_IDS
+    return out
+
+
+@register("experiment", "validate_tasks", ValidateTasksConfig, summarize=summarize,
+          help="accuracy, flip rate and |score delta| per domain; writes the usable item ids")
+def run(ctx: Context) -> None:
+    from experiments.run import load_items
+    from kvnotes.tasks.scoring import decision_logits, score_item
+
+    params: ValidateTasksConfig = ctx.params
+    margin = ctx.cfg.model.margin if params.margin is None else params.margin
+    items = load_items(ctx.model, ctx.cfg)
+    by_key = {f"item-{it.item_id}": it for it in items}
+    if len(by_key) != len(items):
+        raise ValueError("task items have duplicate ids")
+    for key in ctx.pending(list(by_key), desc="validate items"):
+        it = by_key[key]
+        rec = record(it, score_item(it, decision_logits(ctx.model, it)), margin)
+        ctx.write(key, [rec])
+    rows = [_clean(r) for r in ctx.writer.read().to_dict("records")]
+    write_json(ctx.run_dir / USABLE_IDS, {"model": ctx.cfg.model.name, **usable_ids(rows)})

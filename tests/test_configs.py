@@ -1,0 +1,176 @@
+"""Every config combination composes with Hydra and validates; bad ones fail before any load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments import registry
+from experiments.config import KINDS, ConfigError, validate
+from experiments.run import prepare
+from kvnotes.models import get_spec, model_names
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_ready():
+    """Registry filled, schemas stored, Hydra initialised on configs/ for this module."""
+    prepare()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        yield
+
+
+def jobs() -> list[tuple[str, str]]:
+    prepare()
+    return [(kind, name) for kind in KINDS for name in registry.names(kind)]
+
+
+def make(*overrides: str):
+    return compose("config", overrides=list(overrides))
+
+
+def test_every_registered_model_has_a_matching_config():
+    files = {p.stem for p in (CONFIGS / "model").glob("*.yaml")}
+    assert files == set(model_names())
+    for name in model_names():
+        data = yaml.safe_load((CONFIGS / "model" / f"{name}.yaml").read_text())
+        spec = get_spec(name)
+        assert (data["name"], data["dtype"], data["chat"]) == (name, spec.default_dtype, spec.chat)
+        assert data["margin"] == spec.margin
+
+
+def test_job_yamls_list_their_schema_first():
+    assert ("experiment", "selfcheck") in jobs()
+    for kind in KINDS:
+        for path in (CONFIGS / kind).glob("*.yaml"):
+            defaults = yaml.safe_load(path.read_text()).get("defaults", [])
+            assert defaults[:1] == [f"/schema/{kind}/{path.stem}@_here_"], path
+            assert path.stem in registry.names(kind), f"{path} names no registered {kind}"
+
+
+@pytest.mark.parametrize("model", model_names())
+def test_every_model_composes_with_every_job(model):
+    for kind, name in jobs():
+        job = validate(make(f"+{kind}={name}", f"model={model}"))
+        assert (job.kind, job.name, job.cfg.model.name) == (kind, name, model)
+        entry = registry.get(kind, name)
+        if entry.config_cls is not None:
+            assert isinstance(job.params, entry.config_cls)
+
+
+def test_every_job_refuses_a_misspelt_key():
+    for kind, name in jobs():
+        if registry.get(kind, name).config_cls is not None:
+            with pytest.raises(COMPOSE_ERRORS):
+                make(f"+{kind}={name}", f"{kind}.no_such_key=1")
+
+
+def test_defaults():
+    job = validate(make("+experiment=selfcheck"))
+    cfg = job.cfg
+    assert cfg.model.name == "llama"
+    assert (cfg.device, cfg.dtype, cfg.seed, cfg.resume) == ("auto", "auto", 0, True)
+    assert cfg.results_dir == "results/runs" and cfg.cache_dir is None and cfg.task is None
+    assert job.params.seams == [0, 1, 2, 4, 8, 16]
+
+
+def test_hydra_writes_nothing_into_the_working_directory():
+    hydra_cfg = compose("config", overrides=["+experiment=selfcheck"], return_hydra_config=True)
+    assert hydra_cfg.hydra.output_subdir is None
+    assert hydra_cfg.hydra.run.dir == "."
+    assert hydra_cfg.hydra.job.chdir is False
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["sed=1", "model.nmae=llama", "experiment.n_blokcs=2"],
+)
+def test_misspelt_key_fails_at_composition(override):
+    with pytest.raises(COMPOSE_ERRORS, match="override"):
+        make("+experiment=selfcheck", override)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["seed=abc", "resume=maybe", "model.margin=wide", "experiment.n_blocks=two",
+     "experiment.seams=[a,b]"],
+)
+def test_wrong_type_fails_at_composition(override):
+    with pytest.raises(COMPOSE_ERRORS):
+        make("+experiment=selfcheck", override)
+
+
+def test_typed_merge_also_catches_keys_added_with_plus():
+    cfg = make("+experiment=selfcheck")
+    bad = OmegaConf.merge(OmegaConf.to_container(cfg), {"experiment": {"n_blokcs": 3}})
+    with pytest.raises(ConfigError, match="n_blokcs"):
+        validate(OmegaConf.create(bad))
+
+
+def test_unknown_model_lists_valid_names():
+    with pytest.raises(ConfigError, match="valid names: .*llama.*qwen3-8b"):
+        validate(make("+experiment=selfcheck", "model.name=llama-9000"))
+    with pytest.raises(COMPOSE_ERRORS, match="model/llama-9000"):
+        make("model=llama-9000")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("device=gpu", "valid: auto, cpu, cuda"),
+        ("device=cuda:x", "valid: auto, cpu, cuda"),
+        ("dtype=float8", "valid: auto, float32"),
+        ("model.dtype=int4", "valid: auto, float32"),
+        ("model.margin=-1", "margin"),
+        ("experiment.seams=[]", "seams"),
+        ("experiment.threshold=2.0", "threshold"),
+        ("experiment.n_blocks=0", "n_blocks"),
+        ("model.tiny_family=bert", "valid families"),
+        ("model.tiny_family=llama", "tiny-llama"),
+    ],
+)
+def test_bad_values_fail_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make("+experiment=selfcheck", override))
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_valid_devices(device):
+    assert validate(make("+experiment=selfcheck", f"device={device}")).cfg.device == device
+
+
+def test_tiny_model_hook_validates():
+    job = validate(make("+experiment=selfcheck", "model.name=tiny-qwen3", "model.tiny_family=qwen3"))
+    assert job.cfg.model.tiny_family == "qwen3"
+
+
+def test_no_job_lists_valid_probes_and_experiments():
+    with pytest.raises(ConfigError, match="valid probes: .*valid experiments: .*selfcheck"):
+        validate(make())
+
+
+def test_unknown_job_name_fails():
+    with pytest.raises(COMPOSE_ERRORS, match="experiment/nope"):
+        make("+experiment=nope")
+    cfg = make("+experiment=selfcheck")
+    cfg.experiment.name = "nope"
+    with pytest.raises(ConfigError, match="valid experiments: .*selfcheck"):
+        validate(cfg)
+
+
+def test_task_group_is_optional_and_selectable():
+    assert make("+experiment=selfcheck").task is None
+    suites = sorted(p.stem for p in (CONFIGS / "task").glob("*.yaml"))
+    if not suites:
+        with pytest.raises(COMPOSE_ERRORS, match="task/"):
+            make("+experiment=selfcheck", "task=nonexistent")
+    for suite in suites:
+        assert make("+experiment=selfcheck", f"task={suite}").task is not None

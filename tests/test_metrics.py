@@ -1,0 +1,105 @@
+"""kvnotes.metrics against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvnotes.metrics import bootstrap_ci, kl_divergence, logit_cosine, recovery, score, top1_agree
+
+
+def test_score_is_new_minus_old_logit():
+    logits = torch.tensor([[1.0, 4.0, -2.0], [0.5, 0.0, 3.0]])
+    assert score(logits, new_token=1, old_token=2).tolist() == [6.0, -3.0]
+
+
+def test_score_is_fp32_for_half_logits():
+    logits = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert score(logits, 1, 0).dtype == torch.float32
+
+
+def test_recovery_anchors_stale_zero_oracle_one():
+    assert recovery(-2.0, -2.0, 3.0) == 0.0
+    assert recovery(3.0, -2.0, 3.0) == 1.0
+    assert recovery(0.5, -2.0, 3.0) == pytest.approx(0.5)
+    assert recovery(-4.5, -2.0, 3.0) == pytest.approx(-0.5)  # worse than stale is negative
+
+
+def test_recovery_is_nan_below_min_denominator():
+    assert math.isnan(recovery(1.0, 1.0, 1.0 + 5e-5))
+    assert math.isnan(recovery(1.0, 1.0, 1.0 + 0.05, min_denominator=0.1))
+    assert recovery(1.0, 0.0, 1e-3, min_denominator=1e-4) == pytest.approx(1000.0)
+
+
+def test_recovery_broadcasts_arrays_and_tensors():
+    out = recovery(torch.tensor([1.0, 2.0, 5.0]), 0.0, torch.tensor([2.0, 0.0, 10.0]))
+    assert isinstance(out, np.ndarray)
+    assert out[0] == 0.5 and math.isnan(out[1]) and out[2] == 0.5
+
+
+def test_recovery_propagates_nan_scores():
+    assert math.isnan(recovery(float("nan"), 0.0, 1.0))
+    assert math.isnan(recovery(0.5, 0.0, float("nan")))
+
+
+def test_cosine_identical_scaled_and_opposite():
+    a = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(logit_cosine(a, a), torch.ones(3), atol=1e-6)
+    assert torch.allclose(logit_cosine(a, 2 * a), torch.ones(3), atol=1e-6)
+    assert torch.allclose(logit_cosine(a, -a), -torch.ones(3), atol=1e-6)
+    assert logit_cosine(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])).item() == 0.0
+
+
+def test_cosine_upcasts_half_precision():
+    a = torch.randn(1000, dtype=torch.float16)
+    assert logit_cosine(a, a).dtype == torch.float32
+
+
+def test_kl_zero_for_identical_and_shift_invariant():
+    a = torch.randn(4, 20, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(kl_divergence(a, a), torch.zeros(4), atol=1e-6)
+    assert torch.allclose(kl_divergence(a, a + 7.0), torch.zeros(4), atol=1e-5)
+
+
+def test_kl_known_value_and_direction():
+    p = torch.tensor([0.5, 0.5]).log()
+    q = torch.tensor([0.9, 0.1]).log()
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert kl_divergence(p, q).item() == pytest.approx(expected, rel=1e-5)
+    reverse = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    assert kl_divergence(q, p).item() == pytest.approx(reverse, rel=1e-5)
+
+
+def test_top1_agree():
+    a = torch.tensor([[0.1, 0.9, 0.0], [1.0, 0.0, 0.0]])
+    b = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 2.0]])
+    assert top1_agree(a, b).tolist() == [True, False]
+
+
+def test_bootstrap_ci_contains_mean_and_is_seeded():
+    values = np.random.default_rng(0).normal(1.0, 0.5, size=200)
+    mean, lo, hi, n = bootstrap_ci(values, n_boot=500, seed=3)
+    assert n == 200 and mean == pytest.approx(values.mean())
+    assert lo < mean < hi
+    assert hi - lo == pytest.approx(2 * 1.96 * 0.5 / np.sqrt(200), rel=0.25)
+    assert bootstrap_ci(values, n_boot=500, seed=3) == (mean, lo, hi, n)
+
+
+def test_bootstrap_ci_ignores_nan_and_handles_empty():
+    mean, lo, hi, n = bootstrap_ci([1.0, float("nan"), 3.0, float("inf")])
+    assert (mean, n) == (2.0, 2) and 1.0 <= lo <= hi <= 3.0
+    assert bootstrap_ci([7.0]) == (7.0, 7.0, 7.0, 1)
+    mean, lo, hi, n = bootstrap_ci([float("nan")])
+    assert n == 0 and all(math.isnan(v) for v in (mean, lo, hi))
+
+
+def test_bootstrap_ci_wider_at_higher_level():
+    values = np.arange(50, dtype=float)
+    _, lo90, hi90, _ = bootstrap_ci(values, ci=0.90)
+    _, lo99, hi99, _ = bootstrap_ci(values, ci=0.99)
+    assert lo99 < lo90 and hi99 > hi90
+    with pytest.raises(ValueError):
+        bootstrap_ci(values, ci=1.5)
