@@ -58,10 +58,24 @@ class KVCache:
 
     # --- transformers interop ---------------------------------------------------------------
     def to_dynamic(self):  # -> transformers.DynamicCache
-        """A fresh `DynamicCache` (full layers) holding copies; mutating it never touches self."""
-        from transformers import DynamicCache
+        """A fresh `DynamicCache` of full layers over these tensors, without copying them.
 
-        return DynamicCache(ddp_cache_data=[(k, v) for k, v in zip(self.keys, self.values)])
+        A forward pass *rebinds* each layer's keys to `torch.cat([old, new])`, a new tensor, so
+        our tensors are never written to; only in-place writes into the layers' tensors (which
+        nothing in transformers' DynamicLayer does) could reach them.
+        """
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache()
+        layers = []
+        for k, v in zip(self.keys, self.values, strict=True):
+            layer = DynamicLayer()
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+            layers.append(layer)
+        cache.layers = layers
+        return cache
 
     @classmethod
     def from_dynamic(cls, cache) -> KVCache:  # cache: transformers.Cache

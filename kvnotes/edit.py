@@ -1,0 +1,181 @@
+"""Edit strategies: bring a stale KV cache in line with a changed field, at a chosen cost.
+
+The stale cache holds the old prompt; the oracle is a clean prefill of the new one. Because the
+model memoises the field's consequence in downstream note tokens, rewriting the field's own K/V
+(field-only) barely moves the decision, recomputing everything after the field (full-downstream)
+fixes it, and the cheap fixes either recompute the field plus K chosen note positions
+(selective@K: `copy` pastes the oracle's K/V, an upper bound; `recompute` runs those tokens
+against their stale neighbours, what a real system can do) or leave the cache alone and append an
+erratum line (the prefix stays byte-identical). Every builder returns an `EditState`: the edited
+token ids, the decision logits, what it recomputed, and how long it took beyond the stale cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from kvnotes.cache import KVCache, patch
+from kvnotes.models.loading import LoadedModel
+from kvnotes.run import early_keys, extend, prefill, read_variants, recompute
+from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.tokens import encode
+
+ERRATA: dict[str, str] = {
+    "explicit": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. "
+    "Apply the current value.",
+    "bare": "{field}: {value}",
+    "tagged": "[STATE UPDATE] {field}: {value}",
+    "reevaluate": "[STATE UPDATE] {field} has changed to {value}. Disregard your earlier "
+    "conclusion and re-evaluate.",
+}
+
+
+@dataclass(frozen=True)
+class EditState:
+    """Result of one strategy on one item."""
+
+    strategy: str
+    logits: Float[Tensor, " vocab"]  # decision logits (fp32)
+    recomputed: int  # tokens run through the model beyond the stale cache
+    total: int  # tokens of the edited sequence
+    seconds: float  # wall time of the edit + decision read, the stale cache given
+    ids: tuple[int, ...] = ()  # the edited token sequence (erratum variants differ from old)
+
+    @property
+    def recompute_fraction(self) -> float:
+        return self.recomputed / self.total if self.total else float("nan")
+
+
+def erratum_text(item: TaskItem, wording: str = "explicit", template: str | None = None) -> str:
+    """The erratum line for an item; `template` (with {field} and {value}) overrides `wording`."""
+    if template is None:
+        if wording not in ERRATA:
+            raise KeyError(f"unknown erratum wording {wording!r}; valid: {', '.join(ERRATA)}")
+        template = ERRATA[wording]
+    return template.format(field=item.field_name, value=item.new_value.strip()) + "\n"
+
+
+def erratum_position(item: TaskItem) -> int:
+    """Where the erratum goes: before the request (the question), else before the task line."""
+    for seg in ("request", "task", "turn_answer", "answer_prefix"):
+        if seg in item.segments:
+            return int(item.segments[seg][0])
+    return item.decision_pos
+
+
+def _timed(fn: Callable[[], tuple[Tensor, int, tuple[int, ...]]], name: str, total: int) -> EditState:
+    t0 = time.perf_counter()
+    logits, recomputed, ids = fn()
+    return EditState(name, logits, recomputed, total, time.perf_counter() - t0, ids)
+
+
+class Editor:
+    """Builds edit states of one item from its stale cache (positions 0..n-2; the last token is the tail)."""
+
+    def __init__(self, model: LoadedModel, item: TaskItem, stale: KVCache | None = None) -> None:
+        self.model, self.item = model, item
+        self.n = item.n_tokens
+        self.tail = torch.tensor([item.old_ids[-1:]])
+        self.stale = stale if stale is not None else prefill(model, item.old_ids[:-1]).cache
+        self._oracle: KVCache | None = None
+
+    @property
+    def oracle_cache(self) -> KVCache:
+        if self._oracle is None:
+            self._oracle = prefill(self.model, self.item.new_ids[:-1]).cache
+        return self._oracle
+
+    def _read(self, cache: KVCache) -> Tensor:
+        return extend(self.model, cache, self.tail).logits[0, -1]
+
+    # --- strategies -------------------------------------------------------------------------
+    def full_prefill(self) -> EditState:
+        """Reference cost: a clean prefill of the whole new prompt (the oracle, timed)."""
+        return _timed(lambda: (prefill(self.model, self.item.new_ids).logits[0, -1], self.n, self.item.new_ids),
+                      "oracle", self.n)
+
+    def stale_state(self) -> EditState:
+        return _timed(lambda: (self._read(self.stale), 1, self.item.old_ids), "stale", self.n)
+
+    def selective(self, positions: Sequence[int], mode: str = "recompute", name: str | None = None) -> EditState:
+        """Recompute `positions` (the field always included) against stale neighbours, or copy them."""
+        pos = sorted(set(range(*self.item.field_span)) | set(positions))
+        if mode not in ("recompute", "copy"):
+            raise ValueError(f"mode {mode!r}; valid: recompute, copy")
+
+        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+            if mode == "copy":
+                cache = patch(self.stale, self.oracle_cache, pos)
+            else:
+                cache = recompute(self.model, self.stale, self.item.new_ids[:-1], pos)
+            return self._read(cache), len(pos) + 1, self.item.new_ids
+
+        return _timed(build, name or f"selective_{mode}", self.n)
+
+    def field_only(self) -> EditState:
+        return self.selective([], "recompute", "field_only")
+
+    def full_downstream(self) -> EditState:
+        start = self.item.field_span[0]
+
+        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+            logits = extend(self.model, self.stale.slice(0, start), self.item.new_ids[start:]).logits[0, -1]
+            return logits, self.n - start, self.item.new_ids
+
+        return _timed(build, "full_downstream", self.n)
+
+    def erratum(self, wording: str = "explicit", template: str | None = None, with_field: bool = False) -> EditState:
+        """Append the erratum before the question (stale prefix reused), optionally after a field-only edit."""
+        item, at = self.item, erratum_position(self.item)
+        err = encode(self.model.tokenizer, erratum_text(item, wording, template))
+        base_ids = item.new_ids if with_field else item.old_ids
+        rest = list(err) + list(base_ids[at:])
+        ids = tuple(base_ids[:at]) + tuple(rest)
+        span = range(*item.field_span)
+
+        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+            prefix = self.stale.slice(0, at)
+            extra = 0
+            if with_field:
+                prefix = recompute(self.model, self.stale, item.new_ids[:-1], span).slice(0, at)
+                extra = len(span)
+            return extend(self.model, prefix, rest).logits[0, -1], len(rest) + extra, ids
+
+        name = ("field_erratum" if with_field else "erratum") + ("" if wording == "explicit" and template is None else f"_{wording}")
+        return _timed(build, name, len(ids))
+
+    def rank_by_attention(self) -> list[int]:
+        """Downstream positions by the decision token's attention on the stale cache (no oracle needed)."""
+        cap: list[dict[int, Tensor]] = []
+        read_variants(self.model, self.stale, self.stale, [[]], self.tail, capture=cap)
+        w = torch.stack([cap[0][layer][0, :, -1, : self.stale.seq_len] for layer in sorted(cap[0])])
+        score = w.mean((0, 1))  # [pos]
+        down = list(range(self.item.field_span[1], self.stale.seq_len))
+        return [down[i] for i in torch.argsort(score[down], descending=True, stable=True).tolist()]
+
+    def rank_by_effect(self, batch_size: int = 128) -> list[int]:
+        """Downstream positions by their single-position patching effect (needs the oracle)."""
+        down = list(range(self.item.field_span[1], self.stale.seq_len))
+        logits = read_variants(self.model, self.stale, self.oracle_cache, [[p] for p in down], self.tail,
+                               batch_size=batch_size)[:, -1]
+        a, b = self.item.score_ids
+        effect = (logits[:, a] - logits[:, b]).abs()
+        return [down[i] for i in torch.argsort(effect, descending=True, stable=True).tolist()]
+
+    def cacheblend(self, fraction: float = 0.15, check_layer: int = 1) -> EditState:
+        """CacheBlend-style: recompute the `fraction` of tokens whose keys deviate most at `check_layer`."""
+        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+            fresh = early_keys(self.model, self.item.new_ids[:-1], check_layer)  # [1, kv, pos, d]
+            dev = (fresh.float() - self.stale.keys[check_layer].float()).norm(dim=-1).sum(1)[0]  # [pos]
+            k = max(1, round(fraction * self.stale.seq_len))
+            top = torch.argsort(dev, descending=True)[:k].tolist()
+            cache = recompute(self.model, self.stale, self.item.new_ids[:-1], sorted(set(top) | set(range(*self.item.field_span))))
+            return self._read(cache), k + 1 + self.n * (check_layer + 1) // self.model.n_layers, self.item.new_ids
+
+        return _timed(build, f"cacheblend@{round(fraction * 100)}%", self.n)
