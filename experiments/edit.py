@@ -1,0 +1,202 @@
+"""Experiments `edit`, `ksweep`, `wording`: the editable cache's cost/correctness frontier.
+
+For every item the stale cache (old prompt) is prefilled once; each strategy then builds its
+edited state from it and reads the decision. Against the oracle (a clean prefill of the new
+prompt, timed in the same loop): P(correct) (argmax among outcomes equals the oracle's),
+recovery (score relative to stale 0 and oracle 1), recompute fraction, and time ratio (edit
+time / full re-prefill time, measured side by side per item). Items are usable for recovery when
+|score_oracle - score_stale| >= margin, for P(correct) when in addition stale and oracle argmax
+are both correct. Paper: erratum 1.00, field-only 0.00 without CoT, CacheBlend@15 % 0.13.
+
+    python -m experiments.run +experiment=edit model=qwen-1.5b task=gated
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from experiments.registry import register
+from kvnotes.edit import ERRATA, EditState, Editor
+from kvnotes.metrics import recovery
+from kvnotes.tasks.item import TaskItem
+from probes._common import ci_dict
+
+if TYPE_CHECKING:
+    from experiments.run import Context
+
+STRATEGIES = ("stale", "field_only", "full_downstream", "selective_copy", "selective_recompute",
+              "selective_recompute_att", "erratum", "field_erratum", "cacheblend")
+
+
+@dataclass
+class EditConfig:
+    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
+    k: int = 8  # selective@K
+    wording: str = "explicit"  # erratum wording (see kvnotes.edit.ERRATA)
+    template: str | None = None  # custom erratum template with {field} and {value}
+    cacheblend_fraction: float = 0.15
+    check_layer: int = 1
+    margin: float | None = None  # None: the model config's margin
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.strategies if s not in STRATEGIES]
+        if bad:
+            raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGIES)}")
+        if self.wording not in ERRATA:
+            raise ValueError(f"wording {self.wording!r}; valid: {', '.join(ERRATA)}")
+        if self.k < 0 or not 0 < self.cacheblend_fraction <= 1 or self.check_layer < 0:
+            raise ValueError("k >= 0, 0 < cacheblend_fraction <= 1, check_layer >= 0")
+
+
+@dataclass
+class KSweepConfig:
+    ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
+    variants: list[str] = field(default_factory=lambda: ["copy", "recompute"])
+    rankings: list[str] = field(default_factory=lambda: ["effect", "attention"])
+    margin: float | None = None
+
+    def __post_init__(self) -> None:
+        if any(k < 0 for k in self.ks) or not set(self.variants) <= {"copy", "recompute"}:
+            raise ValueError("ks >= 0; variants among copy, recompute")
+        if not set(self.rankings) <= {"effect", "attention"}:
+            raise ValueError("rankings among effect, attention")
+
+
+@dataclass
+class WordingConfig:
+    wordings: list[str] = field(default_factory=lambda: list(ERRATA))
+    with_field: bool = False  # also apply the field-only edit under each erratum
+    margin: float | None = None
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.wordings if w not in ERRATA]
+        if bad:
+            raise ValueError(f"unknown wordings {bad}; valid: {', '.join(ERRATA)}")
+
+
+def _pick(item: TaskItem, logits: Any) -> str:
+    return item.outcomes[int(logits[list(item.decision_ids)].argmax())]
+
+
+def _score(item: TaskItem, logits: Any) -> float:
+    a, b = item.score_ids
+    return float(logits[a] - logits[b])
+
+
+def state_records(item: TaskItem, oracle: EditState, stale: EditState, states: Sequence[EditState],
+                  margin: float, extra: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One record per state with P(correct), recovery, cost; usability flags of the item."""
+    s_old, s_new = _score(item, stale.logits), _score(item, oracle.logits)
+    usable_rec = abs(s_new - s_old) >= margin
+    usable_p = usable_rec and _pick(item, stale.logits) == item.correct_old and _pick(item, oracle.logits) == item.correct_new
+    out = []
+    for i, st in enumerate([stale, oracle, *states]):
+        s = _score(item, st.logits)
+        out.append({
+            "item_id": item.item_id, "domain": item.domain, "template_id": item.template_id,
+            "n_tokens": item.n_tokens, "strategy": st.strategy, "margin": margin,
+            "usable_recovery": usable_rec, "usable_p_correct": usable_p,
+            "score": s, "score_stale": s_old, "score_oracle": s_new,
+            "recovery": float(recovery(s, s_old, s_new)),
+            "pick": _pick(item, st.logits), "oracle_pick": _pick(item, oracle.logits),
+            "correct": _pick(item, st.logits) == _pick(item, oracle.logits),
+            "recomputed": st.recomputed, "recompute_fraction": st.recompute_fraction,
+            "seconds": st.seconds, "oracle_seconds": oracle.seconds,
+            "time_ratio": st.seconds / oracle.seconds,
+            **(dict(extra[i - 2]) if extra and i >= 2 else {}),
+        })
+    return out
+
+
+def _margin(ctx: Context, margin: float | None) -> float:
+    return float(ctx.cfg.model.margin if margin is None else margin)
+
+
+def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[dict[str, Any]] | None]],
+           margin: float | None) -> None:
+    """Per item (a resumable unit): stale + oracle timed side by side, then the strategies."""
+    from experiments.run import load_items
+
+    m = _margin(ctx, margin)
+    items = {f"item-{it.item_id}": it for it in load_items(ctx.model, ctx.cfg)}
+    for key in ctx.pending(list(items), desc=f"{ctx.job.name} items"):
+        item = items[key]
+        ed = Editor(ctx.model, item)
+        oracle, stale = ed.full_prefill(), ed.stale_state()
+        states, extra = build(ed)
+        ctx.write(key, state_records(item, oracle, stale, states, m, extra))
+
+
+def _edit_states(ed: Editor, cfg: EditConfig) -> list[EditState]:
+    builders: dict[str, Callable[[], EditState]] = {
+        "field_only": ed.field_only,
+        "full_downstream": ed.full_downstream,
+        "selective_copy": lambda: ed.selective(ed.rank_by_effect()[: cfg.k], "copy", f"selective_copy@{cfg.k}"),
+        "selective_recompute": lambda: ed.selective(ed.rank_by_effect()[: cfg.k], "recompute", f"selective_recompute@{cfg.k}"),
+        "selective_recompute_att": lambda: ed.selective(ed.rank_by_attention()[: cfg.k], "recompute", f"selective_recompute_att@{cfg.k}"),
+        "erratum": lambda: ed.erratum(cfg.wording, cfg.template),
+        "field_erratum": lambda: ed.erratum(cfg.wording, cfg.template, with_field=True),
+        "cacheblend": lambda: ed.cacheblend(cfg.cacheblend_fraction, cfg.check_layer),
+    }
+    return [builders[s]() for s in cfg.strategies if s != "stale"]
+
+
+def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] = ("strategy",)) -> dict[str, Any]:
+    """Per strategy: p_correct, recovery, recompute_fraction, time_ratio with mean, CI and n."""
+    rows = list(records)
+    keys = sorted({tuple(str(r.get(g)) for g in group) for r in rows})
+    out: dict[str, Any] = {}
+    for key in keys:
+        sel = [r for r in rows if tuple(str(r.get(g)) for g in group) == key]
+        p_rows = [r for r in sel if r["usable_p_correct"]]
+        r_rows = [r for r in sel if r["usable_recovery"]]
+        out["/".join(key)] = {
+            "p_correct": ci_dict(float(r["correct"]) for r in p_rows),
+            "recovery": ci_dict(r["recovery"] for r in r_rows),
+            "recompute_fraction": ci_dict(r["recompute_fraction"] for r in sel),
+            "time_ratio": ci_dict(r["time_ratio"] for r in sel),
+        }
+    items = {r["item_id"]: r for r in rows}
+    return {
+        "margin": sorted({r["margin"] for r in rows}),
+        "n_items": len(items),
+        "n_usable_recovery": sum(bool(r["usable_recovery"]) for r in items.values()),
+        "n_usable_p_correct": sum(bool(r["usable_p_correct"]) for r in items.values()),
+        "strategies": out,
+    }
+
+
+@register("experiment", "edit", EditConfig, summarize=lambda rec, cfg: summarize_states(rec),
+          help="edit strategies: P(correct), recovery, recompute fraction, time vs full re-prefill")
+def run_edit(ctx: Context) -> None:
+    cfg: EditConfig = ctx.params
+    _drive(ctx, lambda ed: (_edit_states(ed, cfg), None), cfg.margin)
+
+
+def _ksweep_states(ed: Editor, cfg: KSweepConfig) -> tuple[list[EditState], list[dict[str, Any]]]:
+    ranks = {"effect": ed.rank_by_effect() if "effect" in cfg.rankings else [],
+             "attention": ed.rank_by_attention() if "attention" in cfg.rankings else []}
+    states, extra = [], []
+    for rk in cfg.rankings:
+        for var in cfg.variants:
+            for k in cfg.ks:
+                states.append(ed.selective(ranks[rk][:k], var, f"{var}/{rk}"))
+                extra.append({"k": k, "variant": var, "ranking": rk})
+    return states, extra
+
+
+@register("experiment", "ksweep", KSweepConfig,
+          summarize=lambda rec, cfg: summarize_states([r for r in rec if r["strategy"] not in ("stale", "oracle")], ("strategy", "k")),
+          help="selective@K sweep: field + K note positions, copy vs recompute, by effect vs attention")
+def run_ksweep(ctx: Context) -> None:
+    cfg: KSweepConfig = ctx.params
+    _drive(ctx, lambda ed: _ksweep_states(ed, cfg), cfg.margin)
+
+
+@register("experiment", "wording", WordingConfig, summarize=lambda rec, cfg: summarize_states(rec),
+          help="erratum wording ablation: bare, tagged, explicit override, disregard-and-re-evaluate")
+def run_wording(ctx: Context) -> None:
+    cfg: WordingConfig = ctx.params
+    _drive(ctx, lambda ed: ([ed.erratum(w, with_field=cfg.with_field) for w in cfg.wordings], None), cfg.margin)
