@@ -96,17 +96,6 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def char_tokenizer() -> Any:
-    """A character-level tokenizer (97 ids) for tiny random models, which ship none."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-
-
 def load(cfg: RunConfig) -> Any:
     """The configured model on the configured device and dtype (`auto` dtype: model.dtype)."""
     from kvnotes.models import load_model, resolve_device, resolve_dtype
@@ -120,7 +109,7 @@ def load(cfg: RunConfig) -> Any:
 
     model = tiny_model(cfg.model.tiny_family, seed=cfg.seed, dtype=resolve_dtype(dtype))
     model.hf.to(resolve_device(cfg.device))
-    return dataclasses.replace(model, tokenizer=char_tokenizer())
+    return model
 
 
 def load_items(model: Any, cfg: RunConfig) -> list[Any]:

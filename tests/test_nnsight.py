@@ -238,7 +238,7 @@ def test_patch_head_outputs_edge_cases(tiny):
 def test_nnsight_without_tokenizer_is_a_clear_error():
     """tiny_model() / wrap_model(hf) give tokenizer=None; nnsight's pipeline cannot guess one."""
     with pytest.raises(ValueError, match="nnsight needs a tokenizer"):
-        _ = tiny_model("llama").nnsight
+        _ = wrap_model(tiny_model("llama").hf).nnsight
 
 
 def test_nnsight_leaves_the_tokenizer_alone():

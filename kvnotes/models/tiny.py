@@ -15,7 +15,7 @@ from kvnotes.models.adapters import FAMILIES, adapter_for
 from kvnotes.models.loading import LoadedModel, wrap_model
 
 _COMMON: dict[str, Any] = dict(
-    vocab_size=128,
+    vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
@@ -66,12 +66,28 @@ def tiny_config(family: str) -> Any:
     raise KeyError(f"no tiny config for {family!r}; families: {', '.join(FAMILIES)}")
 
 
+def tiny_tokenizer() -> Any:
+    """A character-level tokenizer in memory (< 256 ids, fits every tiny model).
+
+    A space and the character after it form one token, so words keep distinct first tokens
+    (" grant" -> " g"), as the decision readout of task items needs.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
+    vocab = chars + [" " + c for c in chars[3:]]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[\s\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A randomly initialised model of `family` (4 layers, d=64), wrapped for kvnotes."""
+    """A randomly initialised model of `family` (4 layers, d=64) with `tiny_tokenizer()`."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family)
     cfg._attn_implementation = adapter_for(family).attn_implementation
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return wrap_model(hf, name=f"tiny-{family}")
+    return wrap_model(hf, tiny_tokenizer(), name=f"tiny-{family}")
