@@ -72,13 +72,14 @@ def tiny_tokenizer() -> Any:
     A space and the character after it form one token, so words keep distinct first tokens
     (" grant" -> " g"), as the decision readout of task items needs.
     """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
     vocab = chars + [" " + c for c in chars[3:]]
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r" ?[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # tokens are pieces of text: join them as they are
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 

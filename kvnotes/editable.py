@@ -1,0 +1,157 @@
+"""`EditableCache`: amend the KV cache of your own prompt when a value in it changes.
+
+Prefill a prompt once; when a value changes (an account role, an order status), pick how to
+bring the cache up to date: `erratum` appends an update line (the prefix and its cache stay
+byte-identical, as a serving prefix cache wants), `field_only` rewrites the value's own K/V
+(cheap, and mostly ignored by the model: its conclusions live in later note tokens),
+`selective` also recomputes the K most-attended note positions, `full_downstream` recomputes
+everything from the value on, `oracle` re-prefills. The result works with `model.generate`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvnotes.cache import KVCache
+from kvnotes.edit import ERRATA
+from kvnotes.models.loading import LoadedModel
+from kvnotes.run import extend, prefill, read_variants, recompute
+
+STRATEGIES = ("erratum", "field_only", "selective", "full_downstream", "oracle")
+
+
+class EditError(ValueError):
+    """An edit that cannot be made as asked; the message says what would work."""
+
+
+@dataclass(frozen=True)
+class EditResult:
+    """An edited prompt: its token ids and the cache of all but the last token."""
+
+    model: LoadedModel
+    ids: tuple[int, ...]
+    cache: KVCache  # positions 0 .. len(ids) - 2
+    strategy: str
+    recomputed: int
+
+    @property
+    def text(self) -> str:
+        return str(self.model.tokenizer.decode(list(self.ids)))
+
+    def next_token_logits(self) -> torch.Tensor:
+        return extend(self.model, self.cache, list(self.ids[-1:])).logits[0, -1]
+
+    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> str:
+        """Greedy continuation from the edited cache (`model.generate` on a DynamicCache)."""
+        x = torch.tensor([self.ids], device=self.model.device)
+        out = self.model.hf.generate(  # type: ignore[operator]
+            input_ids=x, attention_mask=torch.ones_like(x),
+            past_key_values=self.cache.to(device=self.model.device).to_dynamic(),
+            max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
+        )
+        return str(self.model.tokenizer.decode(out[0, x.shape[1]:], skip_special_tokens=True))
+
+
+class EditableCache:
+    """The cache of one prompt (text, tokenized without special tokens added)."""
+
+    def __init__(self, model: LoadedModel, prompt: str) -> None:
+        if model.tokenizer is None:
+            raise EditError("EditableCache needs a model with a tokenizer")
+        self.model, self.prompt = model, prompt
+        self.ids = self._encode(prompt)
+        if len(self.ids) < 2:
+            raise EditError("the prompt must be at least two tokens long")
+        self.cache = prefill(model, self.ids[:-1]).cache
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _locate(self, old: str) -> int:
+        n = self.prompt.count(old)
+        if n != 1:
+            raise EditError(f"{old!r} occurs {n} times in the prompt; give a longer, unique text "
+                            f"(e.g. 'account_role: admin')")
+        return self.prompt.index(old)
+
+    def _boundary(self, char: int) -> int:
+        """Index of the first prompt token that starts at or after character `char`."""
+        enc = self.model.tokenizer(self.prompt, add_special_tokens=False, return_offsets_mapping=True)
+        starts = [s for s, _ in enc["offset_mapping"]]
+        return next((i for i, s in enumerate(starts) if s >= char), len(self.ids))
+
+    def edit(self, old: str, new: str, strategy: str = "erratum", field: str | None = None,
+             k: int = 8, wording: str = "explicit", insert_before: str | None = None) -> EditResult:
+        """The prompt with `old` (a unique text in it) now reading `new`, by `strategy`.
+
+        `field` names the value in the erratum (default: the text before `old` on its line, e.g.
+        'account_role'); `insert_before` places the erratum before that text (default: the end).
+        """
+        if strategy not in STRATEGIES:
+            raise EditError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+        at = self._locate(old)
+        if strategy == "erratum":
+            return self._erratum(at, old, new, field, wording, insert_before)
+        new_ids = self._encode(self.prompt[:at] + new + self.prompt[at + len(old):])
+        c = next((i for i, (a, b) in enumerate(zip(self.ids, new_ids)) if a != b), min(len(self.ids), len(new_ids)))
+        if strategy == "oracle":
+            return EditResult(self.model, new_ids, prefill(self.model, new_ids[:-1]).cache, strategy, len(new_ids))
+        if strategy == "full_downstream":
+            cache = extend(self.model, self.cache.slice(0, c), new_ids[c:-1]).cache
+            return EditResult(self.model, new_ids, cache, strategy, len(new_ids) - c)
+        if len(new_ids) != len(self.ids):
+            raise EditError(f"{old!r} and {new!r} tokenize to different lengths here, so the cache "
+                            f"cannot be edited in place; use strategy 'erratum' or 'full_downstream'")
+        span = [i for i, (a, b) in enumerate(zip(self.ids, new_ids)) if a != b]
+        if not span or span[-1] >= len(self.ids) - 1:
+            raise EditError("the value must change and lie before the last token")
+        chosen = span if strategy == "field_only" else span + self._notes(span[-1] + 1)[:k]
+        cache = recompute(self.model, self.cache, new_ids[:-1], chosen)
+        return EditResult(self.model, new_ids, cache, strategy, len(set(chosen)))
+
+    def _notes(self, start: int) -> list[int]:
+        """Positions after `start` by the last token's attention (mean over layers and heads)."""
+        cap: list[dict[int, torch.Tensor]] = []
+        read_variants(self.model, self.cache, self.cache, [[]], list(self.ids[-1:]), capture=cap)
+        w = torch.stack([cap[0][i][0, :, -1, : self.cache.seq_len] for i in sorted(cap[0])]).mean((0, 1))
+        down = list(range(start, self.cache.seq_len))
+        return [down[i] for i in torch.argsort(w[down], descending=True).tolist()]
+
+    def _erratum(self, at: int, old: str, new: str, field: str | None, wording: str,
+                 insert_before: str | None) -> EditResult:
+        if field is None and ":" in old:  # "account_role: admin" -> account_role
+            field = old.split(":", 1)[0].strip()
+        if field is None:
+            line_start = self.prompt.rfind("\n", 0, at) + 1
+            field = self.prompt[line_start:at].strip().rstrip(":=").strip() or "the value"
+        if ":" in new and new.split(":", 1)[0].strip() == field:
+            new = new.split(":", 1)[1].strip()
+        if wording not in ERRATA:
+            raise EditError(f"unknown wording {wording!r}; valid: {', '.join(ERRATA)}")
+        text = ERRATA[wording].format(field=field, value=new) + "\n"
+        if insert_before is None:
+            b, text = len(self.ids), "\n" + text
+        else:
+            if insert_before not in self.prompt[at:]:
+                raise EditError(f"insert_before {insert_before!r} does not occur after {old!r}")
+            b = self._boundary(self.prompt.index(insert_before, at))
+        err = self._encode(text)
+        ids = self.ids[:b] + err + self.ids[b:]
+        cache = extend(self.model, self.cache.slice(0, min(b, self.cache.seq_len)),
+                       list(ids[min(b, self.cache.seq_len):-1])).cache
+        return EditResult(self.model, ids, cache, "erratum", len(ids) - 1 - min(b, self.cache.seq_len))
+
+
+def demo_prompt() -> str:
+    """A small gated prompt for examples and tests."""
+    return os.linesep.join([
+        "Session:", "account_role: admin", "",
+        "Policy: when account_role is admin, call grant_access; when it is guest, call escalate.",
+        "Tools: grant_access, escalate", "",
+        "Request: let me into the audit dashboard.",
+        "Next action:",
+    ])
