@@ -13,12 +13,13 @@ are both correct. Paper: erratum 1.00, field-only 0.00 without CoT, CacheBlend@1
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from experiments.registry import register
-from kvnotes.edit import ERRATA, EditState, Editor
+from kvnotes.edit import ERRATA, Editor, EditState
 from kvnotes.metrics import recovery
 from kvnotes.tasks.item import TaskItem
 from probes._common import ci_dict
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from experiments.run import Context
 
 STRATEGIES = ("stale", "field_only", "full_downstream", "selective_copy", "selective_recompute",
-              "selective_recompute_att", "erratum", "field_erratum", "cacheblend")
+              "selective_recompute_att", "erratum", "field_erratum", "hoist", "cacheblend")
 
 
 @dataclass
@@ -39,9 +40,12 @@ class EditConfig:
     cacheblend_fraction: float = 0.15
     check_layer: int = 1
     margin: float | None = None  # None: the model config's margin
+    cot: bool = False  # also read each of `cot_strategies` after a greedy reasoning
+    cot_tokens: int = 48
+    cot_strategies: list[str] = field(default_factory=lambda: ["field_only", "erratum"])
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.strategies if s not in STRATEGIES]
+        bad = [s for s in self.strategies + self.cot_strategies if s not in STRATEGIES]
         if bad:
             raise ValueError(f"unknown strategies {bad}; valid: {', '.join(STRATEGIES)}")
         if self.wording not in ERRATA:
@@ -114,8 +118,20 @@ def _margin(ctx: Context, margin: float | None) -> float:
     return float(ctx.cfg.model.margin if margin is None else margin)
 
 
+def _with_cot(item: TaskItem, ed: Editor, oracle: EditState, stale: EditState, states: list[EditState],
+              cfg: EditConfig, margin: float) -> list[dict[str, Any]]:
+    """Records of the CoT reads: each state, stale and oracle all decided after a reasoning."""
+    def cot(st: EditState) -> EditState:
+        logits, _ = ed.cot(st, cfg.cot_tokens)
+        return dataclasses.replace(st, strategy=f"{st.strategy}+cot", logits=logits)
+
+    chosen = [st for st in states if st.strategy.split("@")[0] in cfg.cot_strategies]
+    rows = state_records(item, cot(oracle), cot(stale), [cot(st) for st in chosen], margin)
+    return [r | {"cot": True} for r in rows]
+
+
 def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[dict[str, Any]] | None]],
-           margin: float | None) -> None:
+           margin: float | None, cot: EditConfig | None = None) -> None:
     """Per item (a resumable unit): stale + oracle timed side by side, then the strategies."""
     from experiments.run import load_items
 
@@ -126,7 +142,10 @@ def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[d
         ed = Editor(ctx.model, item)
         oracle, stale = ed.full_prefill(), ed.stale_state()
         states, extra = build(ed)
-        ctx.write(key, state_records(item, oracle, stale, states, m, extra))
+        rows = state_records(item, oracle, stale, states, m, extra)
+        if cot is not None and cot.cot:
+            rows += _with_cot(item, ed, oracle, stale, states, cot, m)
+        ctx.write(key, rows)
 
 
 def _edit_states(ed: Editor, cfg: EditConfig) -> list[EditState]:
@@ -138,6 +157,7 @@ def _edit_states(ed: Editor, cfg: EditConfig) -> list[EditState]:
         "selective_recompute_att": lambda: ed.selective(ed.rank_by_attention()[: cfg.k], "recompute", f"selective_recompute_att@{cfg.k}"),
         "erratum": lambda: ed.erratum(cfg.wording, cfg.template),
         "field_erratum": lambda: ed.erratum(cfg.wording, cfg.template, with_field=True),
+        "hoist": ed.hoist,
         "cacheblend": lambda: ed.cacheblend(cfg.cacheblend_fraction, cfg.check_layer),
     }
     return [builders[s]() for s in cfg.strategies if s != "stale"]
@@ -172,7 +192,7 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
           help="edit strategies: P(correct), recovery, recompute fraction, time vs full re-prefill")
 def run_edit(ctx: Context) -> None:
     cfg: EditConfig = ctx.params
-    _drive(ctx, lambda ed: (_edit_states(ed, cfg), None), cfg.margin)
+    _drive(ctx, lambda ed: (_edit_states(ed, cfg), None), cfg.margin, cfg)
 
 
 def _ksweep_states(ed: Editor, cfg: KSweepConfig) -> tuple[list[EditState], list[dict[str, Any]]]:

@@ -46,6 +46,7 @@ class EditState:
     total: int  # tokens of the edited sequence
     seconds: float  # wall time of the edit + decision read, the stale cache given
     ids: tuple[int, ...] = ()  # the edited token sequence (erratum variants differ from old)
+    cache: KVCache | None = None  # the edited cache over at least ids[:-1]
 
     @property
     def recompute_fraction(self) -> float:
@@ -69,10 +70,13 @@ def erratum_position(item: TaskItem) -> int:
     return item.decision_pos
 
 
-def _timed(fn: Callable[[], tuple[Tensor, int, tuple[int, ...]]], name: str, total: int) -> EditState:
+Built = tuple[Tensor, int, tuple[int, ...], KVCache]  # logits, recomputed, ids, cache
+
+
+def _timed(fn: Callable[[], Built], name: str, total: int) -> EditState:
     t0 = time.perf_counter()
-    logits, recomputed, ids = fn()
-    return EditState(name, logits, recomputed, total, time.perf_counter() - t0, ids)
+    logits, recomputed, ids, cache = fn()
+    return EditState(name, logits, recomputed, total, time.perf_counter() - t0, ids, cache)
 
 
 class Editor:
@@ -91,17 +95,20 @@ class Editor:
             self._oracle = prefill(self.model, self.item.new_ids[:-1]).cache
         return self._oracle
 
-    def _read(self, cache: KVCache) -> Tensor:
-        return extend(self.model, cache, self.tail).logits[0, -1]
+    def _read(self, cache: KVCache, recomputed: int, ids: Sequence[int]) -> Built:
+        return extend(self.model, cache, self.tail).logits[0, -1], recomputed, tuple(ids), cache
 
     # --- strategies -------------------------------------------------------------------------
     def full_prefill(self) -> EditState:
         """Reference cost: a clean prefill of the whole new prompt (the oracle, timed)."""
-        return _timed(lambda: (prefill(self.model, self.item.new_ids).logits[0, -1], self.n, self.item.new_ids),
-                      "oracle", self.n)
+        def build() -> Built:
+            step = prefill(self.model, self.item.new_ids)
+            return step.logits[0, -1], self.n, self.item.new_ids, step.cache
+
+        return _timed(build, "oracle", self.n)
 
     def stale_state(self) -> EditState:
-        return _timed(lambda: (self._read(self.stale), 1, self.item.old_ids), "stale", self.n)
+        return _timed(lambda: self._read(self.stale, 1, self.item.old_ids), "stale", self.n)
 
     def selective(self, positions: Sequence[int], mode: str = "recompute", name: str | None = None) -> EditState:
         """Recompute `positions` (the field always included) against stale neighbours, or copy them."""
@@ -109,12 +116,12 @@ class Editor:
         if mode not in ("recompute", "copy"):
             raise ValueError(f"mode {mode!r}; valid: recompute, copy")
 
-        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+        def build() -> Built:
             if mode == "copy":
                 cache = patch(self.stale, self.oracle_cache, pos)
             else:
                 cache = recompute(self.model, self.stale, self.item.new_ids[:-1], pos)
-            return self._read(cache), len(pos) + 1, self.item.new_ids
+            return self._read(cache, len(pos) + 1, self.item.new_ids)
 
         return _timed(build, name or f"selective_{mode}", self.n)
 
@@ -124,9 +131,9 @@ class Editor:
     def full_downstream(self) -> EditState:
         start = self.item.field_span[0]
 
-        def build() -> tuple[Tensor, int, tuple[int, ...]]:
-            logits = extend(self.model, self.stale.slice(0, start), self.item.new_ids[start:]).logits[0, -1]
-            return logits, self.n - start, self.item.new_ids
+        def build() -> Built:
+            step = extend(self.model, self.stale.slice(0, start), self.item.new_ids[start:])
+            return step.logits[0, -1], self.n - start, self.item.new_ids, step.cache
 
         return _timed(build, "full_downstream", self.n)
 
@@ -139,16 +146,38 @@ class Editor:
         ids = tuple(base_ids[:at]) + tuple(rest)
         span = range(*item.field_span)
 
-        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+        def build() -> Built:
             prefix = self.stale.slice(0, at)
             extra = 0
             if with_field:
                 prefix = recompute(self.model, self.stale, item.new_ids[:-1], span).slice(0, at)
                 extra = len(span)
-            return extend(self.model, prefix, rest).logits[0, -1], len(rest) + extra, ids
+            step = extend(self.model, prefix, rest)
+            return step.logits[0, -1], len(rest) + extra, ids, step.cache
 
         name = ("field_erratum" if with_field else "erratum") + ("" if wording == "explicit" and template is None else f"_{wording}")
         return _timed(build, name, len(ids))
+
+    def hoist(self) -> EditState:
+        """The field's line moved (with the new value) to just before the question.
+
+        The cache is reused up to the line's old start; everything after it is recomputed.
+        """
+        item, tok = self.item, self.model.tokenizer
+        newline = [i for i, t in enumerate(item.old_ids) if "\n" in tok.decode([t])]
+        start = max([i + 1 for i in newline if i < item.field_span[0]], default=item.field_span[0])
+        end = min([i + 1 for i in newline if i >= item.field_span[1] - 1], default=item.field_span[1])
+        at = erratum_position(item)
+        if not start <= item.field_span[0] < end <= at:
+            raise ValueError(f"{item.item_id}: cannot hoist: the field line must precede the question")
+        old, line = list(item.old_ids), list(item.new_ids[start:end])
+        ids = tuple(old[:start] + old[end:at] + line + old[at:])
+
+        def build() -> Built:
+            step = extend(self.model, self.stale.slice(0, start), list(ids[start:]))
+            return step.logits[0, -1], len(ids) - start, ids, step.cache
+
+        return _timed(build, "hoist", len(ids))
 
     def rank_by_attention(self) -> list[int]:
         """Downstream positions by the decision token's attention on the stale cache (no oracle needed)."""
@@ -170,12 +199,40 @@ class Editor:
 
     def cacheblend(self, fraction: float = 0.15, check_layer: int = 1) -> EditState:
         """CacheBlend-style: recompute the `fraction` of tokens whose keys deviate most at `check_layer`."""
-        def build() -> tuple[Tensor, int, tuple[int, ...]]:
+        def build() -> Built:
             fresh = early_keys(self.model, self.item.new_ids[:-1], check_layer)  # [1, kv, pos, d]
             dev = (fresh.float() - self.stale.keys[check_layer].float()).norm(dim=-1).sum(1)[0]  # [pos]
             k = max(1, round(fraction * self.stale.seq_len))
             top = torch.argsort(dev, descending=True)[:k].tolist()
             cache = recompute(self.model, self.stale, self.item.new_ids[:-1], sorted(set(top) | set(range(*self.item.field_span))))
-            return self._read(cache), k + 1 + self.n * (check_layer + 1) // self.model.n_layers, self.item.new_ids
+            return self._read(cache, k + 1 + self.n * (check_layer + 1) // self.model.n_layers, self.item.new_ids)
 
         return _timed(build, f"cacheblend@{round(fraction * 100)}%", self.n)
+
+    def cot(self, state: EditState, max_new_tokens: int = 48, cue: str = "Let me check the rule "
+            "against the current values step by step.\n") -> tuple[Tensor, str]:
+        """Decision after a bounded greedy reasoning generated from the edited cache.
+
+        The cache is cut before the answer prefix ("Next action:"), the cue and up to
+        `max_new_tokens` greedy tokens run against it, then the answer prefix, whose last
+        logits give the decision. Returns (decision logits, generated reasoning).
+        """
+        if state.cache is None:
+            raise ValueError(f"state {state.strategy!r} carries no cache")
+        tok = self.model.tokenizer
+        a = int(self.item.segments.get("answer_prefix", (self.n - 1,))[0])
+        answer = list(state.ids[len(state.ids) - (self.n - a):])  # identical in every state
+        cut = len(state.ids) - len(answer)
+        step = extend(self.model, state.cache.slice(0, cut), encode(tok, cue))
+        cfg_eos = getattr(getattr(self.model.hf, "generation_config", None), "eos_token_id", None)
+        eos = {tok.eos_token_id} | set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
+        gen: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(step.logits[0, -1].argmax())
+            if nxt in eos:
+                break
+            gen.append(nxt)
+            step = extend(self.model, step.cache, [nxt])
+        text = tok.decode(gen)
+        step = extend(self.model, step.cache, encode(tok, "\n") + answer)
+        return step.logits[0, -1], text

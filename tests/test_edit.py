@@ -68,6 +68,16 @@ def test_field_erratum_is_field_edit_then_append(setup):
     assert st.ids[:at] == tuple(item.new_ids[:at])
 
 
+def test_hoist_moves_the_field_line_before_the_question(setup):
+    m, item, ed = setup
+    st = ed.hoist()
+    assert len(st.ids) == item.n_tokens and sorted(st.ids) == sorted(item.old_ids[: item.field_span[0]] + item.new_ids[item.field_span[0]:])
+    at = erratum_position(item)
+    assert item.new_value.strip() in m.tokenizer.decode(list(st.ids[at - 40 : at]))  # just before the question
+    ref = run.prefill(m, list(st.ids)).logits[0, -1]
+    assert (st.logits - ref).abs().max().item() <= ATOL_FP32
+
+
 def test_cacheblend_and_rankings_run(setup):
     m, item, ed = setup
     st = ed.cacheblend(0.15, 1)
