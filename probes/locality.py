@@ -71,6 +71,8 @@ def item_records(
                         "score": float(a), "recovery": float(b)}
                 for layer, a, b in zip(layers, s, recoveries(pair, s), strict=True)]
     if cfg.per_position:
+        out.append(base | {"condition": "tokens", "tokens": _decode(model, item.old_ids),
+                           "new_tokens": _decode(model, item.new_ids[slice(*item.field_span)])})
         positions = pair.field_to_end
         s = patched_scores(model, pair, [[p] for p in positions], batch_size=cfg.batch_size)
         tokens = _decode(model, [item.old_ids[p] for p in positions])
