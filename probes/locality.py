@@ -1,11 +1,15 @@
 """Probe `patching`: where does the decision live? Locality patching on the KV cache.
 
 Per usable item: recovery of stale (0), field-only (the field's own K/V from the new run),
-full-downstream (the field and everything after it) and oracle (1); the per-position map (one
+notes-only (everything after the field, the field itself left stale: false-note injection,
+the decision should follow the pasted notes), full-downstream (the field and everything after
+it) and oracle (1); the per-position map (one
 position, all layers, new into old) and per-layer recovery (one layer's K/V over the positions
 after the field). The paper finds field-only ~ 0 and full-downstream = 1: the field's conclusion
 is memoised in downstream "note" tokens. Positions before the field hold identical K/V in both
-runs, so their recovery is exactly 0 and they are not run.
+runs, so their recovery is exactly 0 and they are not run. Dissociation: on `task=gated-trigger`
+the mutable span is a rule trigger word (the field is byte-identical), so field-only reads as
+trigger-only and notes-only as the notes.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from probes._common import (
     skipped_record,
 )
 
-CONDITIONS = ("stale", "field_only", "full_downstream", "oracle")
+CONDITIONS = ("stale", "field_only", "notes_only", "full_downstream", "oracle")
 
 
 @dataclass
@@ -58,7 +62,8 @@ def item_records(
     item = pair.item
     base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
                                 "score_oracle": pair.score_oracle}
-    states = [[], pair.field_positions, pair.field_to_end, list(range(pair.n_cached))]
+    states = [[], pair.field_positions, pair.downstream_positions, pair.field_to_end,
+              list(range(pair.n_cached))]
     scores = patched_scores(model, pair, states, batch_size=cfg.batch_size)
     rec = recoveries(pair, scores)
     out = [base | {"condition": c, "score": float(s), "recovery": float(r)}
