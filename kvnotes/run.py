@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -136,7 +137,7 @@ def read_variants(
     if pos.numel() and pos.max() >= base.seq_len:
         raise IndexError(f"positions out of range 0..{base.seq_len - 1}")
     name = attention.register()
-    cfg = model.hf.config
+    cfg: Any = model.hf.config
     saved = cfg._attn_implementation
     base_d, src_d = base.to(device=model.device), src.to(device=model.device)
     out = []
@@ -260,4 +261,5 @@ def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch
         pass
     finally:
         handle.remove()
-    return past.layers[layer].keys
+    keys: Tensor = getattr(past.layers[layer], "keys")
+    return keys

@@ -64,7 +64,7 @@ def test_read_variants_equals_materialised_patches(tiny):
     layers = [None, None, [1], [0, 2], None, [1, 3]]
     got = run.read_variants(tiny, a, b, positions, tail, layers, batch_size=4)
     want = torch.cat(
-        [run.extend(tiny, patch(a, b, p, l), tail, logits_to_keep=0).logits for p, l in zip(positions, layers)]
+        [run.extend(tiny, patch(a, b, p, lay), tail, logits_to_keep=0).logits for p, lay in zip(positions, layers)]
     )
     assert (got - want).abs().max().item() <= ATOL_FP32
     assert tiny.hf.config._attn_implementation == tiny.adapter.attn_implementation  # restored
