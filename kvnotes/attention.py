@@ -12,6 +12,7 @@ batch of single-token attentions over N keys instead of N cache copies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -59,7 +60,8 @@ def _patched_attention(
     if kvnotes_variants is None:
         raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.run.read_variants)")
     var = kvnotes_variants
-    layer = int(module.layer_idx)
+    layer_idx: Any = getattr(module, "layer_idx")
+    layer = int(layer_idx)
     B, H, T, D = query.shape
     KV = key.shape[1]
     g = H // KV
