@@ -6,12 +6,10 @@ import os
 
 import pytest
 import torch
+from tolerances import ATOL_FP32  # noqa: F401  (re-exported for older imports)
 
 from kvnotes.models import FAMILIES, WeightsError, load_model
 from kvnotes.models.tiny import tiny_model
-
-# Tolerance of "exact" cached-vs-uncached agreement in fp32 (kernel reduction order differs).
-ATOL_FP32 = 1e-4
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

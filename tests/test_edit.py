@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import ATOL_FP32
+from tolerances import ATOL_FP32
 
 from kvnotes import run, tasks
 from kvnotes.edit import ERRATA, Editor, erratum_position

@@ -1,7 +1,7 @@
 """EditableCache on a tiny model: identities and clear errors."""
 
 import pytest
-from conftest import ATOL_FP32
+from tolerances import ATOL_FP32
 
 from kvnotes import EditableCache, EditError, run
 from kvnotes.editable import demo_prompt

@@ -1,9 +1,9 @@
 """A block prefilled alone and rotated by delta equals the block prefilled at positions delta.."""
 
 import torch
-from conftest import ATOL_FP32
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import ATOL_FP32
 
 from kvnotes import rope, run
 from kvnotes.cache import KVCache
