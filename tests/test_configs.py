@@ -78,7 +78,8 @@ def test_defaults():
     cfg = job.cfg
     assert cfg.model.name == "llama"
     assert (cfg.device, cfg.dtype, cfg.seed, cfg.resume) == ("auto", "auto", 0, True)
-    assert cfg.results_dir == "results/runs" and cfg.cache_dir is None and cfg.task is None
+    assert cfg.results_dir == "results/runs" and cfg.cache_dir is None
+    assert cfg.task["name"] == "gated"  # the default suite
     assert job.params.seams == [0, 1, 2, 4, 8, 16]
 
 
@@ -167,7 +168,7 @@ def test_unknown_job_name_fails():
 
 
 def test_task_group_is_optional_and_selectable():
-    assert make("+experiment=selfcheck").task is None
+    assert make("+experiment=selfcheck", "~task").task is None
     suites = sorted(p.stem for p in (CONFIGS / "task").glob("*.yaml"))
     if not suites:
         with pytest.raises(COMPOSE_ERRORS, match="task/"):
