@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvnotes.metrics import bootstrap_ci
-from kvnotes.patching import PatchPair
+from kvnotes.patching import PatchPair, make_pair
 from kvnotes.tasks.item import TaskItem
 
 
@@ -30,6 +30,23 @@ def skip_reason(pair: PatchPair, margin: float) -> str | None:
     if not abs(pair.delta) >= margin:
         return f"|score_new - score_old| = {abs(pair.delta):.3g} < margin {margin:g}"
     return None
+
+
+def run_pairs(
+    model: Any,
+    items: Iterable[TaskItem],
+    margin: float | None,
+    records_of: Callable[[PatchPair, float], list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """The loop every cache probe shares: stale/oracle pair per item, skip it below the margin
+    (one `skipped` record saying why), else the probe's own records."""
+    m = resolve_margin(model, margin)
+    records: list[dict[str, Any]] = []
+    for item in items:
+        pair = make_pair(model, item)
+        reason = skip_reason(pair, m)
+        records += [skipped_record(pair, m, reason)] if reason else records_of(pair, m)
+    return records
 
 
 def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any]:

@@ -26,17 +26,15 @@ from experiments.registry import register
 from kvnotes import interp
 from kvnotes.metrics import recovery
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, make_pair, scores_from_logits
+from kvnotes.patching import PatchPair, scores_from_logits
 from kvnotes.run import read_variants
 from kvnotes.tasks.item import TaskItem
 from probes._common import (
     ci_dict,
     curve,
     item_fields,
-    resolve_margin,
-    skip_reason,
+    run_pairs,
     skip_summary,
-    skipped_record,
 )
 from probes.suffix import bands
 
@@ -139,13 +137,7 @@ def head_records(model: LoadedModel, pair: PatchPair, att: torch.Tensor, cfg: Kn
 
 
 def run(model: LoadedModel, items: Sequence[TaskItem], cfg: KnockoutConfig) -> list[dict[str, Any]]:
-    margin = resolve_margin(model, cfg.margin)
-    records: list[dict[str, Any]] = []
-    for item in items:
-        pair = make_pair(model, item)
-        reason = skip_reason(pair, margin)
-        records += [skipped_record(pair, margin, reason)] if reason else item_records(model, pair, cfg, margin)
-    return records
+    return run_pairs(model, items, cfg.margin, lambda pair, m: item_records(model, pair, cfg, m))
 
 
 def _ci(records: Sequence[Mapping[str, Any]], cond: str, key: str) -> dict[str, Any]:

@@ -20,16 +20,14 @@ from typing import Any
 
 from experiments.registry import register
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, make_pair, patched_scores, recoveries
+from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
 from probes._common import (
     by_condition,
     curve,
     item_fields,
-    resolve_margin,
-    skip_reason,
+    run_pairs,
     skip_summary,
-    skipped_record,
 )
 
 CONDITIONS = ("stale", "field_only", "notes_only", "full_downstream", "oracle")
@@ -90,13 +88,7 @@ def item_records(
 
 
 def run(model: LoadedModel, items: Sequence[TaskItem], cfg: PatchingConfig) -> list[dict[str, Any]]:
-    margin = resolve_margin(model, cfg.margin)
-    records: list[dict[str, Any]] = []
-    for item in items:
-        pair = make_pair(model, item)
-        reason = skip_reason(pair, margin)
-        records += [skipped_record(pair, margin, reason)] if reason else item_records(model, pair, cfg, margin)
-    return records
+    return run_pairs(model, items, cfg.margin, lambda pair, m: item_records(model, pair, cfg, m))
 
 
 def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict[str, Any]:

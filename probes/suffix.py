@@ -20,15 +20,13 @@ import numpy as np
 
 from experiments.registry import register
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, make_pair, patched_scores, recoveries
+from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
 from probes._common import (
     curve,
     item_fields,
-    resolve_margin,
-    skip_reason,
+    run_pairs,
     skip_summary,
-    skipped_record,
 )
 
 K_PERCENT = [2, 5, 10, 20, 30, 50, 70, 90, 100]
@@ -100,13 +98,7 @@ def item_records(
 
 
 def run(model: LoadedModel, items: Sequence[TaskItem], cfg: SuffixConfig) -> list[dict[str, Any]]:
-    margin = resolve_margin(model, cfg.margin)
-    records: list[dict[str, Any]] = []
-    for item in items:
-        pair = make_pair(model, item)
-        reason = skip_reason(pair, margin)
-        records += [skipped_record(pair, margin, reason)] if reason else item_records(model, pair, cfg, margin)
-    return records
+    return run_pairs(model, items, cfg.margin, lambda pair, m: item_records(model, pair, cfg, m))
 
 
 def summarize(records: Sequence[Mapping[str, Any]], cfg: SuffixConfig) -> dict[str, Any]:
