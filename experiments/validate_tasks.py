@@ -75,3 +75,39 @@ def run(ctx: Context) -> None:
         ctx.write(key, [rec])
     rows = [_clean(r) for r in ctx.writer.read().to_dict("records")]
     write_json(ctx.run_dir / USABLE_IDS, {"model": ctx.cfg.model.name, **usable_ids(rows)})
+
+
+def _suite_of(run_dir: Any) -> str:
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return str((cfg.get("task") or {}).get("name", "?"))
+
+
+def markdown_table(run_dirs: list[str]) -> str:
+    """Per model and domain: accuracy old/new, flip rate, mean |delta|, n usable (README table)."""
+    import json
+    from pathlib import Path
+
+    head = ("| model | dtype | suite | domain | n | acc_old | acc_new | flip | raw acc_old | raw acc_new"
+            " | raw flip | mean abs delta | usable (recovery) | usable (P(correct)) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for d in map(Path, run_dirs):
+        s = json.loads((d / "summary.json").read_text())
+        meta = json.loads((d / "meta.json").read_text())
+        suite = _suite_of(d)
+        rows = {**s["per_domain"], "**all**": s["overall"]}
+        for dom, g in rows.items():
+            lines.append(
+                f"| {s['model']} | {meta.get('dtype', '?')} | {suite} | {dom} | {g['n']} "
+                f"| {g['accuracy_old']:.2f} | {g['accuracy_new']:.2f} | {g['flip_rate']:.2f} "
+                f"| {g['raw_accuracy_old']:.2f} | {g['raw_accuracy_new']:.2f} | {g['raw_flip_rate']:.2f} "
+                f"| {g['mean_abs_delta']:.2f} | {g['n_usable']} | {g['n_usable_correct']} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(markdown_table(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""User-memory items: a conversation log, then a long profile holding one mutable fact.
+
+The memory block sits after the trajectory (the placement the paper edits and transplants at
+O(L)): segment `trajectory` is the log, segment `memory` the profile, whose one mutable fact
+(old/new values, token-aligned) decides the answer to the closing question. Neutral profile
+lines and log events pad the prompt to the requested length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvnotes.tasks import filler
+from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.templates import Suite, bank
+from kvnotes.tasks.tokens import Frame, Piece, aggregator_positions, assemble, decision_ids
+
+INTRO = "You are a personal assistant. Answer from the user memory below."
+TASK = "Reply with the answer only, in one word."
+ANSWER_PREFIX = "Answer:"
+CONTENT_FREE = " N/A"
+
+
+@dataclass(frozen=True)
+class Fact:
+    name: str
+    values: tuple[str, str]
+    outcomes: tuple[str, str]
+    question: str
+
+
+def facts() -> dict[str, Fact]:
+    return {
+        n: Fact(n, tuple(d["values"]), tuple(d["outcomes"]), d["question"])  # type: ignore[arg-type]
+        for n, d in bank("memory")["facts"].items()
+    }
+
+
+def fact_names() -> list[str]:
+    return sorted(facts())
+
+
+def _events(rng: random.Random) -> Iterator[str]:
+    b = bank("memory")
+    slots = {k: list(v) for k, v in b["slots"].items()}
+    lines = [line for t in b["events"] for line in filler._expand(t, slots)]
+    yield from rng.sample(lines, len(lines))
+
+
+def _profile(rng: random.Random) -> Iterator[str]:
+    items = list(bank("memory")["profile"].items())
+    rng.shuffle(items)
+    for k, vals in items:
+        yield f"{k}: {rng.choice(vals)}"
+
+
+def _pieces(fact: Fact, value: int, fr: Frame, log: list[str], profile: list[str],
+            slot: int) -> list[Piece]:
+    mem = [Piece(line, "memory") for line in profile]
+    field = [Piece(f"{fact.name}:", "memory"),
+             Piece(" " + fact.values[value], "memory", " " + fact.values[1 - value], CONTENT_FREE),
+             Piece("\n", "memory")]
+    mem[slot:slot] = field
+    out = [Piece(fr.head, "head"), Piece(INTRO + "\n\n", "intro"),
+           Piece("## Conversation log\n", "trajectory"), *[Piece(e, "trajectory") for e in log],
+           Piece("\n## User memory\n", "memory"), *mem,
+           Piece(fr.mid, "turn_user"), Piece(fact.question + "\n", "question"), Piece(TASK, "task"),
+           Piece(fr.tail, "turn_answer"), Piece(ANSWER_PREFIX, "answer_prefix")]
+    return [p for p in out if p.text]
+
+
+def build_memory_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
+    """Item `index`: fact round-robin, old value alternating, fact line at a seeded slot."""
+    bank_ = facts()
+    names = list(suite.options.get("facts") or sorted(bank_))
+    fact = bank_[names[index % len(names)]]
+    value = (index // len(names)) % 2
+    rng = random.Random(f"{suite.name}:{seed}:{index}")
+    base = len(assemble(tok, _pieces(fact, value, fr, [], [], 0)).old_ids)
+    if length < base:
+        raise ValueError(f"length {length} is below the {base} tokens memory item {index} needs")
+    budget = length - base
+    profile = filler.fit(tok, _profile(rng), budget // 3, fmt="{}\n")
+    used = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in profile)
+    log = filler.fit(tok, itertools.chain(_events(rng), filler.filler_stream(rng)), budget - used)
+    slot = rng.randint(0, len(profile))
+    a = assemble(tok, _pieces(fact, value, fr, log, profile, slot))
+    return TaskItem(
+        item_id=f"{suite.name}/s{seed}/L{length}/{index:04d}/{fact.name}",
+        suite=suite.name,
+        domain=fact.name,
+        template_id=f"{fact.name}/slot{min(slot, 3)}",
+        seed=seed,
+        variant="field",
+        field_name=fact.name,
+        old_value=fact.values[value],
+        new_value=fact.values[1 - value],
+        old_text=a.old_text,
+        new_text=a.new_text,
+        old_ids=a.old_ids,
+        new_ids=a.new_ids,
+        field_span=a.span,
+        aggregators=aggregator_positions(tok, a.old_ids, a.span[1]),
+        outcomes=fact.outcomes,
+        decision_ids=decision_ids(tok, fact.outcomes, a.old_text),
+        correct_old=fact.outcomes[value],
+        correct_new=fact.outcomes[1 - value],
+        chat=fr.chat,
+        segments=a.segments,
+        cf_ids=a.cf_ids,
+        meta={"length": length, "profile_lines": len(profile) + 1, "log_lines": len(log)},
+    )

@@ -1,0 +1,197 @@
+"""Prompts are data: suites, domains and banks are YAML files read into frozen dataclasses.
+
+A *suite* is one YAML file `templates/<suite>.yaml` (files starting with `_` are shared banks):
+its `kind` picks the builder (gated, skills, memory, agents), `domains` names the gated domains
+it draws from (`extra_domains` may define new ones inline) and `design` holds the prompt-design
+choices that were measured (rule position, few-shot demonstrations, answer prefix). Adding a
+suite is dropping one file here, or in a directory passed as `template_dirs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+Kind = Literal["gated", "skills", "memory", "agents"]
+Variant = Literal["field", "control", "polarity", "trigger"]
+KINDS: tuple[str, ...] = ("gated", "skills", "memory", "agents")
+VARIANTS: tuple[str, ...] = ("field", "control", "polarity", "trigger")
+RULE_POSITIONS = ("policy", "question")
+
+
+class UnknownSuiteError(KeyError):
+    """A suite name with no template file; the message lists the valid names."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One gated decision: `values[i]` of `field` makes `outcomes[i]` the correct action."""
+
+    name: str
+    role: str
+    field: str
+    values: tuple[str, str]
+    outcomes: tuple[str, str]
+    requests: tuple[str, ...]
+    rules: tuple[str, ...] = ()
+    fillers: tuple[str, ...] = ()
+    distractors: tuple[str, ...] = ()
+    context: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.values) != 2 or len(self.outcomes) != 2:
+            raise ValueError(f"domain {self.name!r}: exactly two values and two outcomes")
+        if len(set(self.values)) != 2 or len(set(self.outcomes)) != 2:
+            raise ValueError(f"domain {self.name!r}: values and outcomes must be distinct")
+        if not self.requests:
+            raise ValueError(f"domain {self.name!r}: at least one request")
+        for v in self.values:
+            if any(v in o for o in self.outcomes):
+                raise ValueError(f"domain {self.name!r}: value {v!r} appears in an outcome word")
+
+
+@dataclass(frozen=True)
+class Design:
+    """Prompt-design choices of a suite (each was measured; see the README's table)."""
+
+    rule_position: str = "question"  # policy: last policy line; question: just before the request
+    fewshot: int = 2  # demonstrations of the rule (balanced over both values); 0 = none
+    answer_prefix: bool = True  # end the prompt with "Next action:" (assistant turn when chat)
+    point_to_field: bool = False  # the task line names the field to check (never its value)
+
+    def __post_init__(self) -> None:
+        if self.rule_position not in RULE_POSITIONS:
+            raise ValueError(f"rule_position {self.rule_position!r}; valid: {RULE_POSITIONS}")
+        if self.fewshot < 0 or self.fewshot % 2:
+            raise ValueError(f"fewshot must be an even number >= 0, got {self.fewshot}")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A suite file: which builder, which domains, which design, and its default sizes."""
+
+    name: str
+    kind: str
+    domains: tuple[Domain, ...]
+    variant: str = "field"
+    design: Design = dataclasses.field(default_factory=Design)
+    n_items: int = 48
+    length: int = 400
+    seed: int = 0
+    description: str = ""
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # kind-specific extras
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"suite {self.name!r}: kind {self.kind!r}; valid: {KINDS}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"suite {self.name!r}: variant {self.variant!r}; valid: {VARIANTS}")
+
+
+def _read(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a template file holds a mapping")
+    return data
+
+
+@functools.cache
+def banks() -> dict[str, Any]:
+    """The shared banks (_banks.yaml): rule phrasings, fillers, names, prompt frame."""
+    return _read(TEMPLATE_DIR / "_banks.yaml")
+
+
+@functools.cache
+def bank(name: str) -> dict[str, Any]:
+    """Any shared bank file `_<name>.yaml` (domains, skills, memory)."""
+    return _read(TEMPLATE_DIR / f"_{name}.yaml")
+
+
+def domain_from_dict(name: str, d: Mapping[str, Any]) -> Domain:
+    try:
+        return Domain(
+            name=name,
+            role=str(d["role"]),
+            field=str(d["field"]),
+            values=tuple(str(v) for v in d["values"]),  # type: ignore[arg-type]
+            outcomes=tuple(str(o) for o in d["outcomes"]),  # type: ignore[arg-type]
+            requests=tuple(d["requests"]),
+            rules=tuple(d.get("rules", ())),
+            fillers=tuple(d.get("fillers", ())),
+            distractors=tuple(d.get("distractors", ())),
+            context=dict(d.get("context", {})),
+        )
+    except KeyError as e:
+        raise ValueError(f"domain {name!r} lacks key {e.args[0]!r}") from None
+
+
+@functools.cache
+def builtin_domains() -> dict[str, Domain]:
+    return {n: domain_from_dict(n, d) for n, d in bank("domains").items()}
+
+
+def domain_names() -> list[str]:
+    return sorted(builtin_domains())
+
+
+def _suite_files(template_dirs: Sequence[str | Path] = ()) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for d in (TEMPLATE_DIR, *map(Path, template_dirs)):
+        for p in sorted(d.glob("*.yaml")):
+            if not p.name.startswith("_"):
+                files[p.stem] = p
+    return files
+
+
+def suite_names(template_dirs: Sequence[str | Path] = ()) -> list[str]:
+    """Every suite with a template file (built in, plus any in `template_dirs`)."""
+    return sorted(_suite_files(template_dirs))
+
+
+def _select_domains(name: str, data: Mapping[str, Any]) -> tuple[Domain, ...]:
+    known = dict(builtin_domains())
+    extra = {n: domain_from_dict(n, d) for n, d in (data.get("extra_domains") or {}).items()}
+    known.update(extra)
+    wanted = data.get("domains", "all")
+    names = sorted(builtin_domains()) if wanted == "all" else list(wanted)
+    names += [n for n in extra if n not in names]  # inline domains are always drawn from
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(f"suite {name!r}: unknown domains {missing}; valid: {sorted(known)}")
+    return tuple(known[n] for n in names)
+
+
+def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
+    """Read `<name>.yaml`; an unknown name raises UnknownSuiteError listing the valid ones."""
+    files = _suite_files(template_dirs)
+    if name not in files:
+        raise UnknownSuiteError(f"unknown task suite {name!r}; valid suites: {', '.join(sorted(files))}")
+    data = _read(files[name])
+    known = {"kind", "description", "variant", "domains", "extra_domains", "design", "n_items",
+             "length", "seed", "options"}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"suite {name!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    return Suite(
+        name=name,
+        kind=str(data.get("kind", "gated")),
+        domains=_select_domains(name, data),
+        variant=str(data.get("variant", "field")),
+        design=Design(**(data.get("design") or {})),
+        n_items=int(data.get("n_items", 48)),
+        length=int(data.get("length", 400)),
+        seed=int(data.get("seed", 0)),
+        description=str(data.get("description", "")),
+        options=dict(data.get("options") or {}),
+    )

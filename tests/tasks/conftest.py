@@ -1,0 +1,45 @@
+"""Tokenizers of every registered model that can be loaded here (packaged ones always)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from kvnotes.models import get_spec, load_tokenizer, model_names
+
+
+@functools.cache
+def _tokenizer(name: str):
+    return load_tokenizer(name)
+
+
+def _available(name: str) -> bool:
+    """Packaged tokenizers always; hub ones only when already in the local HF cache."""
+    spec = get_spec(name)
+    if spec.source == "package":
+        return True
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(str(spec.hub_id), "tokenizer_config.json"), str)
+
+
+TOKENIZERS = [n for n in model_names() if _available(n)]
+
+
+@pytest.fixture(scope="session", params=TOKENIZERS)
+def named_tok(request):
+    """(model name, tokenizer, chat) for every registered model whose tokenizer loads here."""
+    name = request.param
+    tok = _tokenizer(name)
+    return name, tok, get_spec(name).chat
+
+
+@pytest.fixture(scope="session")
+def qwen_tok():
+    return _tokenizer("qwen")
+
+
+@pytest.fixture(scope="session")
+def gemma_tok():
+    return _tokenizer("gemma")
