@@ -1,0 +1,101 @@
+"""Time to first token against skill length: full prefill vs transplant vs the limit.
+
+Experiment `compose_scaling`: for each skill length the three paths are timed side by side in
+one process (order rotated every repeat): full prefill of prefix + skill + question; transplant
+(load the stored block, rotate it into place, recompute the seam, prefill the question); and the
+limit (the question alone against an already cached context). Left: TTFT per path (log-log).
+Right: speedup full / transplant and full / limit, paired per repeat, against the paper's
+Qwen3-8B GPU numbers (1.16x at 500 tokens ... 13.93x at 32k).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import style
+from analysis.aggregate import ci_table, mean_ci, reference
+from analysis.figures import Skip
+from analysis.load import job_params
+
+NAME = "ttft_scaling"
+TITLE = "TTFT vs skill length: full prefill, transplant, limit"
+NEEDS = "experiment compose_scaling"
+PATHS = (("full", "#d62728", "full prefill"), ("transplant", "#1f77b4", "transplant"),
+         ("limit", "#2ca02c", "limit: question only"))
+
+
+def speedups(t: pd.DataFrame, seam: int) -> pd.DataFrame:
+    """Per length: paired per-repeat ratios full / transplant@seam and full / limit, with CIs."""
+    rows = []
+    for length, g in t.groupby("length"):
+        full = g[g["path"] == "full"].set_index("repeat")["seconds"]
+        for name, sel in (("transplant", (g["path"] == "transplant") & (g["seam"] == seam)),
+                          ("limit", g["path"] == "limit")):
+            other = g[sel].set_index("repeat")["seconds"]
+            both = pd.concat([full, other], axis=1, join="inner").to_numpy(dtype=float)
+            mean, lo, hi, n = mean_ci(both[:, 0] / both[:, 1]) if len(both) else (np.nan,) * 3 + (0,)
+            rows.append({"length": length, "path": name, "mean": mean, "lo": lo, "hi": hi, "n": n})
+    return pd.DataFrame(rows)
+
+
+def timing(frame: pd.DataFrame) -> pd.DataFrame:
+    t = frame[frame["job"] == "compose_scaling"] if "job" in frame else frame.iloc[:0]
+    return t[t["kind"] == "timing"] if len(t) and "kind" in t else t.iloc[:0]
+
+
+def headline_seam(frame: pd.DataFrame, run_id: str, t: pd.DataFrame) -> int:
+    seam = job_params(frame, run_id).get("seam")
+    if seam is None:  # no config: the largest transplant seam timed
+        seam = int(t.loc[t["path"] == "transplant", "seam"].max())
+    return int(seam)
+
+
+def make(frame: pd.DataFrame, out: Path) -> list[Path]:
+    t = timing(frame)
+    if t.empty:
+        raise Skip("no completed run of experiment compose_scaling")
+    models = style.models_in(t)
+    fig, axes = style.panels(2 * len(models), ncols=2, size=(5.0, 3.5))
+    paper = {c["length"]: c["values"]["qwen3-8b"] for c in reference()["claims"].values() if "length" in c}
+    for i, m in enumerate(models):
+        d = t[t["model"] == m]
+        seam = headline_seam(frame, str(d["run_id"].iloc[0]), d)
+        ax, bx = axes[2 * i], axes[2 * i + 1]
+        for path, col, lab in PATHS:
+            sel = d[(d["path"] == path) & ((d["seam"] == seam) if path == "transplant" else True)]
+            tt = ci_table(sel, "seconds", ["length"], unit=("run_id", "length", "repeat"))
+            if len(tt):
+                tt[["mean", "lo", "hi"]] *= 1000
+                style.band(ax, tt, "length", f"{lab}{f' (seam {seam})' if path == 'transplant' else ''} ({style.n_range(tt)} repeats)", col)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        style.ticks_at(ax, d["length"].unique())
+        ax.set_xlabel("skill length (tokens, log)")
+        ax.set_ylabel("time to first token (ms, log)")
+        dev = d["device_record"].iloc[0] if "device_record" in d else d["device"].iloc[0]
+        ax.set_title(f"{m} on {dev}")
+        style.legend(ax, loc="upper left")
+        sp = speedups(d, seam)
+        for path, col, lab in PATHS[1:]:
+            g = sp[sp["path"] == path]
+            if len(g):
+                style.band(bx, g, "length", f"full / {lab} ({style.n_range(g)} repeats)", col)
+        bx.plot(list(paper), list(paper.values()), "x", color=style.PAPER, ms=7, ls=":", lw=0.8,
+                label="paper: full / transplant (Qwen3-8B, GPU)")
+        bx.axhline(1, color="k", lw=0.6)
+        bx.set_xscale("log")
+        bx.set_yscale("log")
+        lengths = set(d["length"].unique())
+        style.ticks_at(bx, lengths | {n for n in paper if all(abs(n - x) > 0.2 * n for x in lengths)})
+        bx.set_xlabel("skill length (tokens, log)")
+        bx.set_ylabel("speedup (x, log)")
+        bx.set_title(f"{m}: speedup over full prefill")
+        style.legend(bx, loc="upper left")
+    caption = ("TTFT = wall time from the request to the first token's logits, paths timed side by side in "
+               "one process, order rotated every repeat. Left: mean over repeats; right: mean of the per-repeat "
+               "ratios. n = repeats per length; shaded: 95 % bootstrap CI over repeats (few repeats: wide or "
+               "absent). Grey: the paper's numbers, a different model on a GPU.")
+    return style.finish(fig, TITLE, caption, out, NAME, t)

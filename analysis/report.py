@@ -1,0 +1,528 @@
+"""The reproduction report: per claim of the paper, our value with its CI per model beside the
+paper's value, a verdict in plain words, and the figure that shows it.
+
+    python -m analysis.report [--results results/reference] [--figures results/figures] [--out results/REPORT.md]
+
+Our numbers are recomputed from records.parquet (means over items with 95 % bootstrap CIs,
+analysis.aggregate), never copied from summary.json; summary.json is only cross-checked. The
+paper's numbers and our reading of each claim as a band come from paper_reference.yaml. Our
+models are not the paper's: a verdict says whether our CI overlaps the claim's band, not that
+the paper's model would behave like ours. A claim nothing measured stays absent, never zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from analysis import load
+from analysis.aggregate import (
+    CI_COLUMNS,
+    ci_table,
+    layer_accuracy,
+    mean_ci,
+    memory_view,
+    model_label,
+    quantile_ratio_ci,
+    reference,
+    serving_view,
+    to_float,
+    write_depth,
+)
+from analysis.load import job_params, select
+
+Extractor = Callable[[pd.DataFrame], pd.DataFrame]
+COLUMNS = ("model", *CI_COLUMNS, "runs", "note")
+
+
+def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def _finish(t: pd.DataFrame, df: pd.DataFrame, note: str = "") -> pd.DataFrame:
+    """A ci_table by model plus the runs each model's number came from."""
+    runs = df.groupby("model")["run_id"].agg(lambda s: ", ".join(sorted(set(map(str, s)))))
+    t = t.assign(runs=t["model"].map(runs), note=note)
+    return t[t["n"] > 0][list(COLUMNS)].reset_index(drop=True)
+
+
+def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[str] = ("run_id", "item_id"),
+            usable: str | None = None, note: str = "", **eq: Any) -> Extractor:
+    """Mean of `value` over the rows of `job` (first task of `tasks` per model) where col == v."""
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        df = select(frame, job, tasks)
+        for col, v in eq.items():
+            df = df[df[col] == v] if col in df else df.iloc[:0]
+        if usable is not None and len(df):
+            df = df[to_float(df[usable]) > 0]
+        if "cot" in df and eq.get("cot") is None:
+            df = df[~(to_float(df["cot"]) > 0)]
+        if df.empty or value not in df:
+            return _rows([])
+        return _finish(ci_table(df, value, ["model"], unit), df, note)
+    return f
+
+
+def _linear(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, float, tuple[float, float, float]]]:
+    out = []
+    df = select(frame, "linear", ["gated-polarity"])
+    for m, d in df.groupby("model"):
+        run = str(d["run_id"].iloc[0])
+        thr = float(job_params(frame, run).get("threshold", 0.9))
+        acc = layer_accuracy(d[(d["condition"] == "layer") & (d["run_id"] == run)])
+        out.append((str(m), d, thr, write_depth(acc, thr)))
+    return out
+
+
+def write_depth_claim(frame: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for m, d, thr, (w, w_lo, w_hi) in _linear(frame):
+        n = int(to_float(d.loc[d["condition"] == "layer", "n_prompts"]).max())
+        note = f"threshold {thr:g}; interval: layers whose Wilson CI first reaches it"
+        if math.isnan(w):
+            note = f"accuracy never reaches {thr:g}: no write depth"
+        rows.append({"model": m, "mean": w, "lo": w_lo, "hi": w_hi, "n": n, "runs": d["run_id"].iloc[0], "note": note})
+    return _rows(rows)
+
+
+def write_before_commit(frame: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for m, d, _, (w, w_lo, w_hi) in _linear(frame):
+        c = ci_table(d[d["condition"] == "prompt"], "rel_commit", ["model"], ("run_id", "item_id", "prompt"))
+        if c.empty or math.isnan(w):
+            continue
+        r = c.iloc[0]
+        rows.append({"model": m, "mean": r["mean"] - w, "lo": r["lo"] - (w_hi if not math.isnan(w_hi) else w),
+                     "hi": r["hi"] - (w_lo if not math.isnan(w_lo) else w), "n": r["n"], "runs": d["run_id"].iloc[0],
+                     "note": "interval combines the commit CI and the write-depth interval"})
+    return _rows(rows)
+
+
+def _compose_or_selfcheck(frame: pd.DataFrame, seam: int, value: str = "cosine") -> pd.DataFrame:
+    comp = frame[(frame["job"] == "compose")] if "job" in frame else frame.iloc[:0]
+    comp = comp[(comp["kind"] == "fidelity") & (comp["seam"] == seam)] if "kind" in comp else comp.iloc[:0]
+    out = [_finish(ci_table(comp, value, ["model"]), comp, "experiment compose")] if len(comp) else []
+    sc = frame[(frame["job"] == "selfcheck")] if "job" in frame else frame.iloc[:0]
+    sc = sc[(sc["seam"] == seam) & ~sc["model"].isin(set(comp["model"]))] if len(sc) and value in sc else sc.iloc[:0]
+    if len(sc):
+        out.append(_finish(ci_table(sc, value, ["model"], ("run_id", "block")), sc,
+                           "selfcheck gate blocks (no compose run for this model)"))
+    return pd.concat(out, ignore_index=True) if out else _rows([])
+
+
+def seam_cosine(seam: int) -> Extractor:
+    return lambda frame: _compose_or_selfcheck(frame, seam)
+
+
+def seam_gain(frame: pd.DataFrame) -> pd.DataFrame:
+    comp = frame[(frame["job"] == "compose")] if "job" in frame else frame.iloc[:0]
+    comp = comp[comp["kind"] == "fidelity"] if "kind" in comp else comp.iloc[:0]
+    rows = []
+    for m, d in comp.groupby("model"):
+        p = d.pivot_table(index=["run_id", "item_id"], columns="seam", values="cosine", aggfunc="mean")
+        if 0 in p and 4 in p:
+            mean, lo, hi, n = mean_ci((p[4] - p[0]).to_numpy())
+            rows.append({"model": m, "mean": mean, "lo": lo, "hi": hi, "n": n,
+                         "runs": ", ".join(sorted(set(d["run_id"]))), "note": "paired per item"})
+    return _rows(rows)
+
+
+def compose_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+    """Decision accuracy of composed prompts at K = 4, with the full prefill's own accuracy beside."""
+    out = _compose_or_selfcheck(frame, 4, "correct")
+    if out.empty:
+        return out
+    comp = frame[(frame["job"] == "compose") & (frame["kind"] == "fidelity") & (frame["seam"] == 4)]
+    for i, r in out.iterrows():
+        d = comp[comp["model"] == r["model"]]
+        full = ci_table(d, "correct_ref", ["model"])
+        agree = ci_table(d, "decision_agree", ["model"])
+        if len(full) and len(agree):
+            out.loc[i, "note"] = (f"{r['note']}; full prefill accuracy {full['mean'].iloc[0]:.3f}, decision "
+                                  f"agreement with it {agree['mean'].iloc[0]:.3f}")
+    return out
+
+
+def ttft_speedup(length: int) -> Extractor:
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        from analysis.figures.ttft_scaling import headline_seam, speedups, timing
+
+        t = timing(frame)
+        rows = []
+        for m, d in t.groupby("model"):
+            near = [n for n in sorted(d["length"].unique()) if abs(n - length) <= 0.1 * length]
+            if not near:
+                continue
+            seam = headline_seam(frame, str(d["run_id"].iloc[0]), d)
+            sp = speedups(d[d["length"] == near[0]], seam)
+            r = sp[sp["path"] == "transplant"].iloc[0]
+            dev = d["device_record"].iloc[0] if "device_record" in d else d["device"].iloc[0]
+            rows.append({"model": m, "mean": r["mean"], "lo": r["lo"], "hi": r["hi"], "n": r["n"],
+                         "runs": d["run_id"].iloc[0],
+                         "note": f"{int(near[0])} tokens, seam {seam}, {dev}; n = repeats"})
+        return _rows(rows)
+    return f
+
+
+def _agent(value: str) -> Extractor:
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        t = frame[frame["job"] == "agent"] if "job" in frame else frame.iloc[:0]
+        t = t[t["kind"] == "turn"] if "kind" in t else t.iloc[:0]
+        if t.empty:
+            return _rows([])
+        return _finish(ci_table(t, value, ["model"], ("run_id", "scenario")), t, "n = scenarios (turns averaged)")
+    return f
+
+
+def _serving_hit(arm: str) -> Extractor:
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        v, why = serving_view(frame)
+        v = v[v["arm"] == arm] if not why else v
+        if why or v.empty or v["hit"].isna().all():
+            return _rows([])
+        per_phase = v.drop_duplicates(["run_id", "phase_label"])
+        return _finish(ci_table(per_phase, "hit", ["model"], ("run_id", "phase_label")), per_phase,
+                       "n = phases (sequential, each rate); each a prefix-cache counter ratio")
+    return f
+
+
+def serving_p90(frame: pd.DataFrame) -> pd.DataFrame:
+    v, why = serving_view(frame)
+    rows: list[dict[str, Any]] = []
+    if why:
+        return _rows(rows)
+    for (m, phase), d in v.groupby(["model", "phase_label"]):
+        a, b = d[d["arm"] == "edit"], d[d["arm"] == "erratum"]
+        if len(a) and len(b):
+            mean, lo, hi, n = quantile_ratio_ci(a["ttft_ms"], b["ttft_ms"])
+            cens = [f"{arm} {int(x['censored'].sum())} of {len(x)}" for arm, x in (("edit", a), ("erratum", b))
+                    if x["censored"].any()]
+            note = f"{phase}; n = requests of the smaller arm"
+            if cens:
+                note += "; censored at the phase cap (TTFT lower bounds): " + ", ".join(cens)
+            rows.append({"model": m, "mean": mean, "lo": lo, "hi": hi, "n": n,
+                         "runs": ", ".join(sorted(set(d["run_id"]))), "note": note})
+    return _rows(rows)
+
+
+def _memory(value: str) -> Extractor:
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        v, why = memory_view(frame)
+        if why:
+            return _rows([])
+        return _finish(ci_table(v, value, ["model"], ("run_id", "unit")), v, str(v["source"].iloc[0]))
+    return f
+
+
+EXTRACTORS: dict[str, Extractor] = {
+    "field_only_recovery": records("patching", ["gated"], "recovery", condition="field_only"),
+    "full_downstream_recovery": records("patching", ["gated"], "recovery", condition="full_downstream"),
+    "notes_only_recovery": records("patching", ["gated"], "recovery", condition="notes_only"),
+    "trigger_only_recovery": records("patching", ["gated-trigger"], "recovery", condition="field_only"),
+    "trigger_notes_recovery": records("patching", ["gated-trigger"], "recovery", condition="notes_only"),
+    "suffix_k20": records("suffix", ["gated"], "recovery", condition="suffix", k=20),
+    "prefix_k70": records("suffix", ["gated"], "recovery", condition="prefix", k=70),
+    "top8_recovery": records("suffix", ["gated"], "recovery", condition="topk", k=8),
+    "random8_recovery": records("suffix", ["gated"], "recovery", condition="randomk", k=8),
+    "write_depth": write_depth_claim,
+    "commit_depth": records("linear", ["gated-polarity"], "rel_commit", ("run_id", "item_id", "prompt"),
+                            note="n = prompts", condition="prompt"),
+    "write_before_commit": write_before_commit,
+    **{f"knockout_{b}": records("knockout", ["gated"], "reverted", condition="band", band=b)
+       for b in ("early", "mid", "late", "all")},
+    **{f"mass_{k}": records("knockout", ["gated"], f"mass_{k}", condition="mass")
+       for k in ("field", "downstream", "sink")},
+    "heads_top_recovery": records("knockout", ["gated"], "recovery", condition="heads_top"),
+    "heads_random_recovery": records("knockout", ["gated"], "recovery", condition="heads_random"),
+    "erratum_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
+    "field_only_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="field_only"),
+    "field_only_cot_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct",
+                                        strategy="field_only+cot", cot=True),
+    "wording_bare": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_bare"),
+    "wording_tagged": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_tagged"),
+    "wording_explicit": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
+    "wording_reevaluate": records("wording", ["gated"], "correct", usable="usable_p_correct",
+                                  strategy="erratum_reevaluate"),
+    **{f"seam_cosine_k{k}": seam_cosine(k) for k in (0, 2, 4, 32)},
+    "seam_repair_gain": seam_gain,
+    "fidelity_cosine": seam_cosine(4),
+    "compose_accuracy": compose_accuracy,
+    **{f"ttft_speedup_{n}": ttft_speedup(n) for n in (500, 2000, 8000, 16000, 32000)},
+    "agent_agreement": _agent("agree"),
+    "agent_latency_ratio": _agent("latency_ratio"),
+    "memory_delta": _memory("delta"),
+    "memory_cosine": _memory("cosine"),
+    "serving_hit_rate_erratum": _serving_hit("erratum"),
+    "serving_hit_rate_inplace": _serving_hit("edit"),
+    "serving_p90_ratio": serving_p90,
+}
+
+
+def ours(frame: pd.DataFrame, claim: str) -> pd.DataFrame:
+    """Our value of `claim` per model (no rows: nothing measured it in these runs)."""
+    f = EXTRACTORS.get(claim)
+    if f is None or frame.empty or "job" not in frame:
+        return _rows([])
+    out = f(frame)
+    return out.assign(n=out["n"].astype(int)) if len(out) else out
+
+
+def all_claims(frame: pd.DataFrame, claims: Sequence[str]) -> pd.DataFrame:
+    """Long table: claim, model, mean, lo, hi, n, runs, note."""
+    parts = [ours(frame, c).assign(claim=c) for c in claims]
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return pd.DataFrame(columns=["claim", *COLUMNS])
+    return pd.concat(parts, ignore_index=True)[["claim", *COLUMNS]]
+
+
+
+
+# --- verdicts -----------------------------------------------------------------------------------
+
+
+def band(target: dict[str, Any] | None) -> tuple[float, float] | None:
+    """The claim as an interval: approx v +- tol, range [lo, hi], at_most, at_least."""
+    if not target:
+        return None
+    if "approx" in target:
+        v, tol = float(target["approx"]), float(target.get("tol", 0.0))
+        return (v - tol, v + tol)
+    if "range" in target:
+        lo, hi = target["range"]
+        return (float(lo), float(hi))
+    if "at_most" in target:
+        return (-math.inf, float(target["at_most"]))
+    if "at_least" in target:
+        return (float(target["at_least"]), math.inf)
+    raise ValueError(f"unknown target {target}")
+
+
+def describe(target: dict[str, Any] | None, digits: int = 3) -> str:
+    b = band(target)
+    if b is None:
+        return "no band (model-specific number, shown for reference)"
+    if math.isinf(b[0]):
+        return f"<= {fmt(b[1], digits)}"
+    if math.isinf(b[1]):
+        return f">= {fmt(b[0], digits)}"
+    return f"[{fmt(b[0], digits)}, {fmt(b[1], digits)}]"
+
+
+def verdict(target: dict[str, Any] | None, mean: float, lo: float, hi: float, n: int) -> str:
+    """Plain words: consistent / differs (higher or lower) / inconclusive / no data."""
+    if n == 0:
+        return "no data"
+    if not math.isfinite(mean):
+        return "differs: undefined for ours (see note)"
+    b = band(target)
+    if b is None:
+        return "for reference (no band)"
+    has_ci = math.isfinite(lo) and math.isfinite(hi)
+    lo_, hi_ = (lo, hi) if has_ci else (mean, mean)
+    caveat = "" if has_ci else " (n=1, no CI)"
+    if hi_ < b[0]:
+        return f"differs: ours is lower{caveat}"
+    if lo_ > b[1]:
+        return f"differs: ours is higher{caveat}"
+    width = b[1] - b[0]
+    if has_ci and math.isfinite(width) and width > 0 and (hi - lo) > 4 * width:
+        return "inconclusive: CI much wider than the band"
+    if b[0] <= mean <= b[1]:
+        return f"consistent{caveat}"
+    return f"consistent within the CI (mean outside the band){caveat}"
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    """A number with `digits` decimals (fewer above 10); '-' for None and NaN."""
+    if isinstance(x, str):
+        return x
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    x = float(x)
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.{digits}f}"
+
+
+def paper_cell(values: dict[str, Any], model: str, digits: int = 3) -> str:
+    """The paper's number for this very model if it has one, else all of them with their models."""
+    names = reference().get("paper_models", {})
+
+    def one(v: Any) -> str:
+        return " / ".join(fmt(x, digits) for x in v) if isinstance(v, list) else fmt(v, digits)
+    if model in values:
+        return f"{one(values[model])} (same model)"
+    return "; ".join(f"{names.get(k, k)} {one(v)}" if k != "paper" else one(v) for k, v in values.items())
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def dev_runs(frame: pd.DataFrame) -> set[str]:
+    """Runs whose margin is below their model config's margin (development runs)."""
+    if frame.empty:
+        return set()
+    r = frame.drop_duplicates("run_id")
+    m, d = pd.to_numeric(r["margin"], errors="coerce"), pd.to_numeric(r["model_margin"], errors="coerce")
+    return set(r.loc[m < d, "run_id"].astype(str))
+
+
+def runs_section(frame: pd.DataFrame) -> list[str]:
+    lines = ["| run | model | task | items (usable) | margin | commit |", "|---|---|---|---|---|---|"]
+    flagged = False
+    for run_id, d in frame.groupby("run_id", sort=True):
+        r = d.iloc[0]
+        items = d["item_id"].nunique() if "item_id" in d and d["item_id"].notna().any() else None
+        skipped = d.loc[d["condition"] == "skipped", "item_id"].nunique() if "condition" in d else 0
+        usable = f"{items} ({items - skipped})" if items is not None else "-"
+        margin = "-" if pd.isna(r.get("margin")) else f"{r['margin']:g}"
+        if pd.notna(r.get("margin")) and pd.notna(r.get("model_margin")) and r["margin"] < r["model_margin"]:
+            margin += f" < {r['model_margin']:g} (development run)"
+            flagged = True
+        commit = str(r.get("commit") or "?")[:7] + (" (dirty)" if str(r.get("dirty")) == "True" else "")
+        task = r["task"] if r["job_kind"] == "probe" or r["job"] in load.MARGIN_JOBS else "-"
+        lines.append(f"| `{run_id}` | {r['model']} | {task} | {usable} | {margin} | {commit} |")
+    if flagged:
+        lines += ["", "**Runs marked *development run* judged items with a margin below the model's; "
+                      "their numbers are for checking the pipeline, not findings.**"]
+    return lines
+
+
+def summary_checks(frame: pd.DataFrame) -> list[str]:
+    """Recomputed means vs the summary.json of each run, where both report the same number."""
+    out = []
+    for run_id, d in frame.groupby("run_id"):
+        path = Path(str(d["run_path"].iloc[0])) / "summary.json"
+        if not path.exists():
+            continue
+        s = json.loads(path.read_text())
+        pairs: list[tuple[str, float, Any]] = []
+        job = d["job"].iloc[0]
+        if job == "patching":
+            for c, v in (s.get("recovery") or {}).items():
+                pairs.append((f"recovery/{c}", to_float(d.loc[d["condition"] == c, "recovery"]).mean(), v.get("mean")))
+        elif job in ("edit", "wording"):
+            for st, v in (s.get("strategies") or {}).items():
+                rows = d[(d["strategy"] == st) & (to_float(d["usable_p_correct"]) > 0)]
+                pairs.append((f"p_correct/{st}", to_float(rows["correct"]).mean(), v["p_correct"].get("mean")))
+        elif job in ("selfcheck", "compose"):
+            for k, v in (s.get("seams") or {}).items():
+                rows = d[(d["seam"] == int(k)) & ((d["kind"] == "fidelity") if job == "compose" else True)]
+                ref = v.get("cosine") if job == "selfcheck" else (v.get("cosine") or {}).get("mean")
+                pairs.append((f"cosine/K={k}", to_float(rows["cosine"]).mean(), ref))
+        bad = [(k, a, b) for k, a, b in pairs
+               if b is not None and not (pd.isna(a) and pd.isna(b)) and not math.isclose(a, float(b), rel_tol=1e-6, abs_tol=1e-9)]
+        if pairs:
+            out.append(f"- `{run_id}`: {len(pairs) - len(bad)} of {len(pairs)} summary.json means reproduced"
+                       + ("" if not bad else "; differ: " + ", ".join(f"{k} ({fmt(a)} vs {fmt(b)})" for k, a, b in bad)))
+    return out or ["- no run with a summary.json to check"]
+
+
+def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
+           figures: Any | None = None) -> str:
+    ref = reference()
+    claims = ref["claims"]
+    table = all_claims(frame, list(claims))
+    made = dict(figures.made) if figures is not None else {}
+    skipped = dict(figures.skipped) if figures is not None else {}
+    models = sorted(set(frame["model"].dropna())) if len(frame) else []
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Reproduction report", "",
+        f"Generated by `python -m analysis.report --results {results}` on {now}; figures in `{fig_dir}`.", "",
+        "How to read it. Each claim of the paper (PAPER.md) is restated with the paper's number and our "
+        "value per model: the mean over usable items with a 95 % bootstrap confidence interval (n = items, "
+        "or the unit named in the note), recomputed from `records.parquet`. Our reading of the claim as a band "
+        "is given; *consistent* means our CI overlaps that band, *differs* that it lies wholly outside, "
+        "*inconclusive* that the CI is far wider than the band. Our models are small CPU models (" +
+        ", ".join(model_label(m) for m in models) + "), not the paper's 7-32B models: agreement or "
+        "disagreement is about these models, and a paper number for another model is context, not a target "
+        "they must meet. Absent data stays absent: a claim no run measured says so.", "",
+    ]
+    dev = dev_runs(frame)
+    if dev:
+        lines += [f"**Warning: {len(dev)} of the runs read judged items with a margin below their model's "
+                  "(development runs). Their numbers check the pipeline; they are not findings.**", ""]
+    counts: dict[str, int] = {}
+    body: list[str] = []
+    shown: set[str] = set()
+    for cid, c in claims.items():
+        rows = table[table["claim"] == cid]
+        dg = int(c.get("digits", 3))
+        body += [f"### {cid} (section {c.get('section')})", "", c["claim"], ""]
+        if c.get("measured_by") is None:
+            body += ["*Not measured*: no probe or experiment of the toolkit measures this yet.", ""]
+            counts["not measured"] = counts.get("not measured", 0) + 1
+            continue
+        body += [f"Measure: {c.get('measure')}. Band: {describe(c.get('target'), dg)}.", ""]
+        if rows.empty:
+            body += [f"*No data*: no completed `{c['measured_by']}` run under `{results}` measures it.", ""]
+            counts["no data"] = counts.get("no data", 0) + 1
+        else:
+            body += ["| model | ours | 95 % CI | n | paper | verdict | note |", "|---|---|---|---|---|---|---|"]
+            for r in rows.itertuples():
+                v = verdict(c.get("target"), r.mean, r.lo, r.hi, r.n)
+                key = v.split(":")[0].split(" (")[0]
+                counts[key] = counts.get(key, 0) + 1
+                note = "; ".join(x for x in (r.note, "DEVELOPMENT RUN" if set(str(r.runs).split(", ")) & dev else "") if x)
+                body.append(f"| {model_label(r.model)} | {fmt(r.mean, dg)} | [{fmt(r.lo, dg)}, {fmt(r.hi, dg)}] | "
+                            f"{r.n} | {paper_cell(c.get('values') or {}, r.model, dg)} | {v} | {note} |")
+            body.append("")
+        fig = c.get("figure")
+        if fig and fig in made and fig in shown:
+            body += [f"Figure: `{fig}` (above).", ""]
+        elif fig and fig in made:
+            png = next(p for p in made[fig] if str(p).endswith(".png"))
+            body += [f"![{fig}]({os.path.relpath(png, out.parent)})", ""]
+            shown.add(fig)
+        elif fig and fig in skipped:
+            body += [f"Figure `{fig}` skipped: {skipped[fig]}.", ""]
+    lines += ["## Verdicts at a glance", "", "| verdict | claims x models |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
+    lines += ["## Claims", "", *body]
+    if len(frame):
+        lines += ["## Runs", "", *runs_section(frame), "", "## Cross-check against summary.json", "",
+                  *summary_checks(frame), ""]
+    if figures is not None:
+        lines += ["## Figures", ""]
+        lines += [f"- `{k}`: {', '.join(os.path.relpath(p, out.parent) for p in v)}" for k, v in made.items()]
+        lines += [f"- `{k}`: skipped ({v})" for k, v in skipped.items()]
+        lines += [f"- `{k}`: FAILED ({v})" for k, v in figures.failed.items()] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=Path("results/reference"))
+    p.add_argument("--figures", type=Path, default=Path("results/figures"),
+                   help="where the figures are (re)drawn (default: results/figures)")
+    p.add_argument("--out", type=Path, default=Path("results/REPORT.md"))
+    p.add_argument("--no-figures", action="store_true", help="do not redraw the figures")
+    a = p.parse_args(argv)
+    if not a.results.is_dir():
+        print(f"error: {a.results} is not a folder of runs (your own runs: --results results/runs)")
+        return 2
+    from analysis.figures import build_all
+
+    frame = load.load(a.results)
+    figures = None if a.no_figures else build_all(frame, a.figures)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(render(frame, a.results, a.figures, a.out, figures))
+    print(f"wrote {a.out} ({frame['run_id'].nunique() if len(frame) else 0} runs)")
+    return 1 if figures is not None and figures.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,449 @@
+"""analysis/: tidy loading, bootstrap CIs, every figure and the report, on synthetic run folders.
+
+The records here are synthetic (random numbers), but each has the columns its probe or
+experiment writes (probes/*.py, experiments/*.py), in run folders laid out as experiments.run
+lays them out. Synthetic numbers are for these tests only; no committed figure is drawn from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from analysis import aggregate, load, report
+from analysis.figures import FIGURES, Skip, build_all
+from analysis.figures import __main__ as figures_cli
+from kvnotes.metrics import bootstrap_ci
+
+RNG = np.random.default_rng(0)
+N_ITEMS = 5
+LAYERS = 6
+DOMAINS = ["refund", "access", "deploy"]
+
+
+def item_base(i: int, suite: str = "gated", margin: float = 1.0) -> dict:
+    return {"item_id": f"{suite}/s0/L400/{i:04d}/{DOMAINS[i % 3]}", "suite": suite,
+            "domain": DOMAINS[i % 3], "template_id": f"{DOMAINS[i % 3]}/rule0/req{i % 2}",
+            "variant": "field", "n_tokens": 40, "field_start": 5, "field_end": 7, "margin": margin,
+            "score_stale": -2.0, "score_oracle": 2.0}
+
+
+def patching_records(suite: str = "gated") -> list[dict]:
+    rows = []
+    for i in range(N_ITEMS):
+        b = item_base(i, suite)
+        if i == N_ITEMS - 1:  # one skipped item, as the probe writes it
+            rows.append({**b, "condition": "skipped", "reason": "|score_new - score_old| = 0.1 < margin 1"})
+            continue
+        for c, r in (("stale", 0.0), ("field_only", RNG.normal(0, 0.05)), ("notes_only", RNG.normal(1, 0.1)),
+                     ("full_downstream", 1.0), ("oracle", 1.0)):
+            rows.append({**b, "condition": c, "score": r, "recovery": r})
+        rows += [{**b, "condition": "layer", "layer": float(layer), "rel_layer": layer / (LAYERS - 1),
+                  "score": 0.0, "recovery": RNG.normal(0.3, 0.1)} for layer in range(LAYERS)]
+        tokens = np.array([f"t{p}" if p % 5 else "\n" for p in range(39)], dtype=object)
+        rows.append({**b, "condition": "tokens", "tokens": tokens, "new_tokens": np.array(["x", "y"], dtype=object)})
+        rows += [{**b, "condition": "position", "position": float(p), "token": str(tokens[p]),
+                  "in_field": p < 7, "is_aggregator": p % 5 == 0, "score": 0.0,
+                  "recovery": float(RNG.normal(0.2 if p % 5 == 0 else 0.0, 0.05))} for p in range(5, 39)]
+    return rows
+
+
+def suffix_records() -> list[dict]:
+    rows = []
+    for i in range(N_ITEMS - 1):
+        b = item_base(i) | {"n_downstream": 32}
+        for k in (2, 5, 10, 20, 30, 50, 70, 90, 100):
+            rows.append({**b, "condition": "suffix", "k": float(k), "n_positions": 1.0, "recovery": min(1, k / 25) + RNG.normal(0, 0.05)})
+            rows.append({**b, "condition": "prefix", "k": float(k), "n_positions": 1.0, "recovery": 0.3 * (k >= 90) + RNG.normal(0, 0.05)})
+        for band in ("early", "mid", "late", "all"):
+            rows.append({**b, "condition": "band", "band": band, "recovery": RNG.uniform(0, 1)})
+        for k in (1, 2, 4, 8, 16, 32):
+            rows.append({**b, "condition": "topk", "k": float(k), "n_positions": float(k), "recovery": min(1, 0.1 * k)})
+            rows += [{**b, "condition": "randomk", "k": float(k), "n_positions": float(k), "draw": float(d),
+                      "recovery": RNG.normal(0.01, 0.02)} for d in range(3)]
+    return [{**r, "score": 0.0} for r in rows]
+
+
+def linear_records() -> list[dict]:
+    rows = []
+    for i in range(N_ITEMS):
+        for which in ("old", "new"):
+            commit = int(RNG.integers(3, LAYERS))
+            rows.append({"condition": "prompt", "item_id": f"gated-polarity/{i}", "domain": DOMAINS[i % 3],
+                         "template_id": f"t{i % 3}", "prompt": which, "label": "a", "label_index": 0,
+                         "polarity": "if", "probe_pos": 30, "final_pick": "a", "commit_layer": commit,
+                         "rel_commit": commit / (LAYERS - 1)})
+    rows += [{"condition": "layer", "layer": layer, "rel_layer": layer / (LAYERS - 1),
+              "accuracy": min(1.0, 0.5 + 0.15 * layer), "n_prompts": 2 * N_ITEMS, "n_groups": 3}
+             for layer in range(LAYERS)]
+    return rows
+
+
+def knockout_records() -> list[dict]:
+    rows = []
+    for i in range(N_ITEMS - 1):
+        b = item_base(i)
+        rows.append({**b, "condition": "mass", "mass_field": 0.002, "mass_downstream": 0.5, "mass_sink": 0.3,
+                     "mass_other": 0.1, "mass_self": 0.098})
+        rev = {"top": 0.9, "field": 0.0, "sink": 0.1}
+        rows += [{**b, "condition": c, "n_keys": 4.0, "reversion": v, "reverted": v > 0.5} for c, v in rev.items()]
+        rows += [{**b, "condition": "random", "n_keys": 4.0, "draw": float(d), "reversion": 0.05, "reverted": False} for d in range(2)]
+        for f in (0.05, 0.1, 0.25, 0.5, 1.0):
+            v = min(1.0, 2 * f) + RNG.normal(0, 0.05)
+            rows.append({**b, "condition": "dose", "fraction": f, "n_keys": 2.0, "reversion": v, "reverted": v > 0.5})
+        for band, v in (("early", 0.0), ("mid", 0.3), ("late", 0.4), ("all", 1.0)):
+            rows.append({**b, "condition": "band", "band": band, "n_keys": 4.0, "reversion": v, "reverted": bool(RNG.uniform() < v)})
+        rows.append({**b, "condition": "heads_top", "n_heads": 12.0, "heads": "[(1, 0)]", "recovery": 0.75})
+        rows += [{**b, "condition": "heads_random", "n_heads": 12.0, "draw": float(d), "heads": "[(0, 1)]",
+                  "recovery": RNG.normal(0, 0.02)} for d in range(2)]
+    return [{"score": 0.0, **r} for r in rows]
+
+
+def edit_rows(i: int, strategy: str, correct: bool, frac: float, extra: dict | None = None) -> dict:
+    return {"item_id": f"gated/{i}", "domain": DOMAINS[i % 3], "template_id": "t", "n_tokens": 400,
+            "strategy": strategy, "margin": 1.0, "usable_recovery": True, "usable_p_correct": i != 0,
+            "score": 0.0, "score_stale": -2.0, "score_oracle": 2.0, "recovery": float(correct),
+            "pick": "a", "oracle_pick": "a", "correct": correct, "recomputed": int(400 * frac),
+            "recompute_fraction": frac, "seconds": frac, "oracle_seconds": 1.0, "time_ratio": frac, **(extra or {})}
+
+
+def edit_records() -> list[dict]:
+    strategies = {"stale": (False, 0.002), "oracle": (True, 1.0), "field_only": (False, 0.005),
+                  "erratum": (True, 0.14), "selective_recompute@8": (True, 0.03), "cacheblend@15%": (False, 0.2)}
+    rows = [edit_rows(i, s, c, f) for i in range(N_ITEMS) for s, (c, f) in strategies.items()]
+    rows += [edit_rows(i, s, True, f, {"cot": True}) for i in range(N_ITEMS)
+             for s, f in (("stale+cot", 0.0), ("oracle+cot", 1.0), ("field_only+cot", 0.005))]
+    return rows
+
+
+def ksweep_records() -> list[dict]:
+    return [edit_rows(i, f"{v}/{rk}", k >= 4, 0.005 + k / 400, {"k": k, "variant": v, "ranking": rk})
+            for i in range(N_ITEMS) for v in ("copy", "recompute") for rk in ("effect", "attention")
+            for k in (0, 1, 2, 4, 8)]
+
+
+def wording_records() -> list[dict]:
+    return [edit_rows(i, s, s != "erratum_reevaluate" or i % 2 == 0, 0.1) for i in range(N_ITEMS)
+            for s in ("erratum", "erratum_bare", "erratum_tagged", "erratum_reevaluate")]
+
+
+def selfcheck_records() -> list[dict]:
+    return [{"block": b, "dtype": "float32", "seam": k, "cosine": 0.98 + 0.0005 * k + RNG.normal(0, 0.001),
+             "top1_agree": True, "kl": 0.01, "prefix_len": 60, "block_len": 100, "question_len": 19,
+             "max_abs_diff_extend": 1e-5, "max_abs_diff_splice_full": 1e-5} for b in range(3) for k in (0, 1, 2, 4, 8)]
+
+
+def gate_rows() -> list[dict]:
+    return [{"kind": "gate", **r} for r in selfcheck_records() if r["seam"] in (0, 4)]
+
+
+def compose_records() -> list[dict]:
+    return gate_rows() + [
+        {"kind": "fidelity", "item_id": f"skills/{i}", "domain": DOMAINS[i % 3], "seam": k,
+         "cosine": 0.97 + 0.004 * min(k, 4) + RNG.normal(0, 0.002), "top1_agree": k > 0, "kl": 0.02,
+         "decision": 1, "decision_ref": 1, "decision_agree": True, "n_tokens": 600, "n_blocks": 3,
+         "block_len_mean": 180.0, "recomputed": 3 * k + 10, "correct_ref": True, "correct": True}
+        for i in range(N_ITEMS) for k in (0, 1, 2, 4, 8, 16, 32)]
+
+
+def scaling_records() -> list[dict]:
+    rows = gate_rows()
+    for length in (512, 1024, 2048):
+        for r in range(3):
+            for path, seam, sec in (("full", -1, length * 2e-4), ("transplant", 4, 0.02 + length * 2e-5),
+                                    ("limit", -1, 0.01), ("transplant", 0, 0.015 + length * 2e-5)):
+                rows.append({"kind": "timing", "path": path, "seam": seam, "repeat": r, "seconds": sec * (1 + 0.05 * r),
+                             "peak_mb": 10.0, "first_token": 5, "length": length, "prefix_len": 20, "question_len": 20,
+                             "kv_mb": 1.0, "store_mb": 1.0, "precompile_s": 0.1, "cosine": 0.99,
+                             "first_token_agree": True, "threads": 1, "device": "cpu"})
+    return rows
+
+
+def agent_records() -> list[dict]:
+    return gate_rows() + [
+        {"kind": "turn", "scenario": f"sc{s}", "turn": t, "domain": DOMAINS[t % 3], "n_updates": 1, "n_tokens": 900,
+         "n_tokens_inplace": 880, "new_tokens": 30, "decision": 1, "decision_full": 1, "decision_full_erratum": 1,
+         "agree": bool(RNG.uniform() < 0.9), "agree_erratum": True, "cosine_erratum": 0.99, "kl_erratum": 0.01,
+         "cosine_inplace": 0.95, "correct": True, "correct_full": True, "correct_full_erratum": True,
+         "composed_s": 0.1, "full_s": 0.5 + 0.1 * t, "latency_ratio": 5.0 + t}
+        for s in range(4) for t in range(3)]
+
+
+def serving_records() -> list[dict]:
+    rows = []
+    for variant, hit, mu in (("edit", 0.01, 7.0), ("erratum", 0.985, 4.0), ("hoist", 0.9, 4.2)):
+        for k, (phase, rate) in enumerate((("sequential", math.nan), ("poisson", 1.0), ("poisson", 2.0))):
+            for i in range(8 if phase == "poisson" else 3):
+                ttft = float(RNG.lognormal(mu, 0.3)) / 1000
+                cancelled = variant == "edit" and phase == "poisson" and i >= 6  # censored at the cap
+                rows.append({"phase": phase, "rate": rate, "variant": variant, "wall_s": 60.0, "n_planned": 8,
+                             "phase_hit_tokens": hit * 8000, "phase_query_tokens": 8000.0, "phase_hit_rate": hit,
+                             "index": i, "value": "new" if i % 2 == 0 else "old", "request_id": f"RQ-{k:02d}{i:04d}",
+                             "arrival_s": float(i), "ttft_s": math.nan if cancelled else ttft,
+                             "ttft_lower_s": 2 * ttft if cancelled else ttft, "latency_s": ttft + 0.1,
+                             "status": "cancelled" if cancelled else "ok", "error": "", "decision": "escalate",
+                             "expected": "escalate", "correct": True, "prompt_tokens": 8004.0,
+                             "item_id": "gated/s0/L8000/0000/access", "length": 8000})
+    return rows
+
+
+def memory_records() -> list[dict]:
+    rows = gate_rows()
+    rows += [{"kind": "synthetic", "item_id": f"memory/{i}", "domain": "profile", "condition": "transplant_erratum",
+              "reference": "full_new", "cosine": 0.99, "top1_agree": True, "kl": 0.01, "decision": 1,
+              "decision_ref": 1, "decision_agree": True, "correct": i % 3 != 0, "correct_ref": True,
+              "n_tokens": 500, "memory_len": 100, "recomputed": 30} for i in range(6)]
+    rows += [{"kind": "locomo", "conversation": f"conv-{c}", "question_index": j, "category": 1, "question": "q",
+              "gold": "a", "answer_full": "a", "answer_transplant": "a", "answer_agree": True,
+              "f1_full": 0.5, "f1_transplant": 0.5 + (0.1 if j == 0 else 0.0), "cosine": 0.995, "top1_agree": True,
+              "kl": 0.01, "memory_len": 900, "turns_in_memory": 40} for c in range(2) for j in range(5)]
+    return rows
+
+
+JOBS = {
+    "patching": ("probe", "gated", patching_records), "suffix": ("probe", "gated", suffix_records),
+    "linear": ("probe", "gated-polarity", linear_records), "knockout": ("probe", "gated", knockout_records),
+    "edit": ("experiment", "gated", edit_records), "ksweep": ("experiment", "gated", ksweep_records),
+    "wording": ("experiment", "gated", wording_records), "selfcheck": ("experiment", "gated", selfcheck_records),
+    "compose": ("experiment", "gated", compose_records), "compose_scaling": ("experiment", "gated", scaling_records),
+    "agent": ("experiment", "gated", agent_records), "serving": ("experiment", "gated", serving_records),
+    "memory": ("experiment", "gated", memory_records),
+}
+
+
+def write_run(root: Path, job: str, model: str, stamp: str, rows: list[dict], *, kind: str = "probe",
+              task: str = "gated", status: str = "completed", margin: float | None = None,
+              params: dict | None = None) -> Path:
+    """A run folder as experiments.run writes it: config.yaml, meta.json, records, summary."""
+    path = root / job / model / stamp
+    path.mkdir(parents=True)
+    section = {"name": job, "margin": margin, **(params or {})}
+    cfg = {"model": {"name": model, "margin": 1.0}, "seed": 0, "task": {"name": task, "n_items": N_ITEMS},
+           "probe": section if kind == "probe" else None, "experiment": section if kind == "experiment" else None}
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    meta = {"kind": kind, "name": job, "model_name": model, "seed": 0, "device": "cpu", "status": status,
+            "git": {"commit": "0123456789abcdef", "dirty": False}, "start_time": stamp, "dtype": "float32",
+            "model": {"model": model, "hub_id": None, "weights_sha256": "ab" * 32}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    frame = pd.DataFrame([{"unit": f"u{i}", **r} for i, r in enumerate(rows)])
+    frame.to_parquet(path / "records.parquet", index=False)
+    (path / "summary.json").write_text(json.dumps({"kind": kind, "name": job, "model": model}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    for model in ("llama", "qwen"):
+        for job, (kind, task, make) in JOBS.items():
+            params = {"seam": 4} if job == "compose_scaling" else None
+            write_run(root, job, model, "2026-01-02_00-00-00", make(), kind=kind, task=task, params=params)
+    # an older run of the same question (replaced), a failed one (left out), a trigger-task run
+    write_run(root, "patching", "llama", "2025-12-31_00-00-00", patching_records())
+    write_run(root, "suffix", "llama", "2026-02-01_00-00-00", suffix_records(), status="failed")
+    write_run(root, "patching", "llama", "2026-01-03_00-00-00", patching_records("gated-trigger"), task="gated-trigger")
+    return root
+
+
+@pytest.fixture(scope="module")
+def frame(results) -> pd.DataFrame:
+    return load.load(results)
+
+
+@pytest.fixture(scope="module")
+def drawn(frame, tmp_path_factory):
+    """Every figure drawn once from the synthetic runs (figures/ next to a report)."""
+    out = tmp_path_factory.mktemp("report") / "figures"
+    return out, build_all(frame, out)
+
+
+# --- load -------------------------------------------------------------------------------------
+
+
+def test_load_is_tidy_with_run_columns(results, frame):
+    for col in ("run_id", "job", "job_kind", "model", "task", "seed", "commit", "margin"):
+        assert col in frame.columns
+    assert set(frame["job"]) == set(JOBS)
+    assert set(frame["model"]) == {"llama", "qwen"}
+    runs = load.runs_table(results)
+    assert "failed" not in set(runs["status"])  # the failed run is left out
+    assert len(load.runs_table(results, include_incomplete=True)) == len(runs) + 1
+    pat = frame[(frame["job"] == "patching") & (frame["model"] == "llama")]
+    assert set(pat["task"]) == {"gated", "gated-trigger"}
+    assert not pat["run_id"].str.contains("2025-12-31").any()  # the newest run of a question wins
+    assert frame.loc[frame["job"] == "linear", "task"].eq("gated-polarity").all()
+    comp = frame[(frame["job"] == "compose_scaling") & (frame["kind"] == "timing")]
+    assert "device_record" in comp and comp["device_record"].eq("cpu").all()  # clash renamed
+
+
+def test_load_without_config_or_meta_falls_back_on_the_path(tmp_path):
+    p = write_run(tmp_path, "patching", "gemma", "2026-01-01_00-00-00", patching_records())
+    (p / "config.yaml").unlink()
+    (p / "meta.json").unlink()
+    info = load.run_info(p, tmp_path)
+    assert (info["job"], info["model"], info["job_kind"]) == ("patching", "gemma", "probe")
+    assert info["run_id"] == "patching/gemma/2026-01-01_00-00-00"
+    assert load.load(tmp_path / "nothing").empty
+
+
+# --- aggregate --------------------------------------------------------------------------------
+
+
+def test_mean_ci_agrees_with_the_library_bootstrap():
+    x = RNG.normal(0.5, 0.2, 40)
+    m, lo, hi, n = aggregate.mean_ci(x, n_boot=4000)
+    m2, lo2, hi2, n2 = bootstrap_ci(x, n_boot=4000)
+    assert n == n2 == 40 and m == pytest.approx(m2)
+    assert lo == pytest.approx(lo2, abs=0.02) and hi == pytest.approx(hi2, abs=0.02)
+    assert lo < m < hi
+
+
+def test_mean_ci_edge_cases_keep_nan_out():
+    assert aggregate.mean_ci([])[3] == 0 and math.isnan(aggregate.mean_ci([])[0])
+    m, lo, hi, n = aggregate.mean_ci([0.3, float("nan")])
+    assert (m, n) == (0.3, 1) and math.isnan(lo) and math.isnan(hi)
+    assert aggregate.mean_ci([1.0, 1.0, 1.0])[1:3] == (1.0, 1.0)
+    assert aggregate.mean_ci(pd.Series([True, False, None], dtype=object))[:1] == (0.5,)
+
+
+def test_ci_table_counts_units_not_rows(frame):
+    rk = frame[(frame["job"] == "suffix") & (frame["condition"] == "randomk") & (frame["model"] == "llama")]
+    t = aggregate.ci_table(rk, "recovery", ["k"])
+    assert (t["n"] == N_ITEMS - 1).all()  # three draws per item count once
+    by = aggregate.ci_table(frame[frame["job"] == "patching"], "recovery", ["model", "domain", "condition"])
+    assert {"model", "domain", "condition", "mean", "lo", "hi", "n"} <= set(by.columns)
+    assert (by["lo"].fillna(-9) <= by["mean"] + 1e-12).all()
+
+
+def test_wilson_and_write_depth():
+    lo, hi = aggregate.wilson(0.9, 10)
+    assert 0.5 < lo < 0.9 < hi <= 1.0
+    layers = pd.DataFrame(linear_records()).query("condition == 'layer'")
+    w, earliest, latest = aggregate.write_depth(aggregate.layer_accuracy(layers), 0.9)
+    assert earliest <= w == pytest.approx(0.6)
+    assert math.isnan(latest)  # 10 prompts cannot put the lower bound above 0.9: no latest depth
+    many = aggregate.layer_accuracy(layers.assign(n_prompts=400))
+    assert aggregate.write_depth(many, 0.9) == (pytest.approx(0.6),) * 3  # 0.95 over 400 prompts
+
+
+def test_reference_holds_the_papers_numbers():
+    ref = aggregate.reference()
+    claims = ref["claims"]
+    assert claims["field_only_recovery"]["values"]["llama-3.1-8b"] == -0.028
+    assert claims["write_depth"]["values"]["qwen3-8b"] == 0.39
+    assert claims["ttft_speedup_32000"]["values"]["qwen3-8b"] == 13.93
+    assert set(report.EXTRACTORS) <= set(claims)
+    for cid, c in claims.items():
+        assert c.get("figure") is None or c["figure"] in FIGURES, cid
+        report.band(c.get("target"))  # every target parses
+        if c.get("measured_by") is not None:
+            assert cid in report.EXTRACTORS, f"{cid} is measured by {c['measured_by']} but has no extractor"
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+
+def test_every_figure_is_drawn(drawn):
+    folder, out = drawn
+    assert not out.failed, out.failed
+    assert not out.skipped, out.skipped
+    assert set(out.made) == set(FIGURES)
+    for name, paths in out.made.items():
+        assert [p.suffix for p in paths] == [".png", ".pdf"], name
+        for p in paths:
+            assert p.exists() and p.stat().st_size > 5_000, p
+    assert list(folder.glob("position_strip_*.html"))
+    assert sorted(p.stem for p in folder.glob("*.png")) == sorted(FIGURES)  # every PNG, nothing else
+
+
+def test_figures_skip_with_a_reason_when_runs_are_missing(frame, tmp_path):
+    only_selfcheck = frame[frame["job"] == "selfcheck"]
+    out = build_all(only_selfcheck, tmp_path)
+    assert set(out.made) == {"seam_repair"} and not out.failed
+    assert "suffix" in out.skipped["memoization_map"] and "serving" in out.skipped["serving"]
+    with pytest.raises(Skip):
+        from analysis.figures import memoization_map
+        memoization_map.make(frame.iloc[:0], tmp_path)
+
+
+def test_figures_cli(results, tmp_path, capsys):
+    assert figures_cli.main(["--results", str(results), "--out", str(tmp_path), "--only", "agent", "ksweep"]) == 0
+    assert (tmp_path / "agent.png").exists() and (tmp_path / "ksweep.pdf").exists()
+    assert "made" in capsys.readouterr().out
+    assert figures_cli.main(["--results", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def test_claims_are_recomputed_from_records(frame):
+    fo = report.ours(frame, "field_only_recovery").set_index("model")
+    recs = frame[(frame["job"] == "patching") & (frame["task"] == "gated") & (frame["condition"] == "field_only")]
+    assert fo.loc["llama", "n"] == N_ITEMS - 1  # the skipped item is not a zero
+    assert fo.loc["llama", "mean"] == pytest.approx(recs[recs["model"] == "llama"]["recovery"].mean())
+    trig = report.ours(frame, "trigger_only_recovery")
+    assert list(trig["model"]) == ["llama"]  # only llama ran the trigger task
+    p_err = report.ours(frame, "erratum_p_correct").set_index("model")
+    assert p_err.loc["qwen", "n"] == N_ITEMS - 1  # the item not usable for P(correct) is left out
+    assert report.ours(frame, "field_only_cot_p_correct")["mean"].eq(1.0).all()
+    assert report.ours(frame, "field_only_p_correct")["mean"].eq(0.0).all()  # CoT rows kept apart
+    sp = report.ours(frame, "ttft_speedup_500").set_index("model")
+    assert sp.loc["llama", "mean"] > 1 and sp.loc["llama", "n"] == 3
+    assert report.ours(frame, "ttft_speedup_32000").empty  # no such length: absent, not zero
+    hit = report.ours(frame, "serving_hit_rate_erratum").set_index("model")
+    assert hit.loc["llama", "mean"] == pytest.approx(0.985) and hit.loc["llama", "n"] == 3  # phases
+    p90 = report.ours(frame, "serving_p90_ratio")
+    assert (p90["mean"] > 5).all() and p90["note"].str.contains("censored").any()
+    mem = report.ours(frame, "memory_delta").set_index("model")
+    assert mem.loc["llama", "mean"] == pytest.approx(0.02) and "LoCoMo" in mem.loc["llama", "note"]
+    assert report.ours(frame, "causal_scrubbing").empty
+
+
+def test_verdicts_are_plain_and_honest():
+    approx0 = {"approx": 0.0, "tol": 0.1}
+    assert report.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"
+    assert report.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
+    assert report.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
+    assert report.verdict(approx0, 0.15, 0.05, 0.25, 10).startswith("consistent within the CI")
+    assert report.verdict(approx0, 0.0, -2, 2, 4).startswith("inconclusive")
+    assert report.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
+    assert report.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
+    assert report.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
+    assert "n=1" in report.verdict(approx0, 0.0, math.nan, math.nan, 1)
+
+
+def test_report_writes_claims_figures_and_runs(results, frame, drawn):
+    figs, built = drawn
+    out = figs.parent / "REPORT.md"
+    text = report.render(frame, results, figs, out, built)
+    out.write_text(text)
+    assert "### field_only_recovery" in text and "Llama-3.1-8B -0.028" in text
+    assert "![memoization_map](figures/memoization_map.png)" in text
+    assert "*Not measured*" in text  # causal scrubbing has no experiment
+    assert "## Runs" in text and "## Cross-check against summary.json" in text
+    assert "DEVELOPMENT RUN" not in text  # no run lowered its margin
+    assert "FAILED" not in text and "skipped" not in text.split("## Figures")[1]
+    for link in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+        assert (out.parent / link).exists(), link
+
+
+def test_report_flags_development_runs(tmp_path):
+    write_run(tmp_path / "runs", "patching", "llama", "2026-01-01_00-00-00", patching_records(), margin=0.0)
+    out = tmp_path / "R.md"
+    assert report.main(["--results", str(tmp_path / "runs"), "--out", str(out), "--no-figures"]) == 0
+    text = out.read_text()
+    assert "Warning: 1 of the runs" in text and "DEVELOPMENT RUN" in text and "*No data*" in text
+
+
+def test_library_never_imports_plotting():
+    root = Path(__file__).resolve().parent.parent / "kvnotes"
+    offenders = [str(p) for p in root.rglob("*.py")
+                 if re.search(r"^\s*(import|from)\s+(matplotlib|analysis)\b", p.read_text(), re.M)]
+    assert not offenders, f"plotting lives only in analysis/: {offenders}"
