@@ -8,10 +8,11 @@ tokens against the real prefix, which heals most of that loss (K = L is a full r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from kvnotes.cache import KVCache, cat
@@ -117,3 +118,122 @@ def self_check(
             }
         )
     return rows
+
+
+# --- the transplant fast path -----------------------------------------------------------------
+# `splice` is the reference (one rotation, then a concatenation per block). `transplant` computes
+# the same cache with one preallocated buffer per layer: every key is rotated straight into its
+# final slot (fp32 math, then one cast), values and the prefix are copied once, and each block's
+# seam repair reads the buffer written so far. It is what the TTFT measurements time.
+
+
+def _rotate_into(
+    out: Float[Tensor, "batch kv_head pos d_head"],
+    keys: Float[Tensor, "batch kv_head pos d_head"],
+    cos: Float[Tensor, " d_head"],
+    sin: Float[Tensor, " d_head"],
+) -> None:
+    """out <- keys * cos + rotate_half(keys) * sin, bit-identical to `rope.rotate_keys`.
+
+    rotate_half(k) = [-k2, k1], so the first half is k1 cos1 - k2 sin1 and the second
+    k2 cos2 + k1 sin2; subtracting the product equals adding its negation exactly in IEEE.
+    """
+    if cos.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"rotary dim {cos.shape[-1]} != key dim {keys.shape[-1]}; "
+                         "partial rotary is not supported")
+    k = keys.to(device=out.device, dtype=torch.float32)  # no copy for fp32 keys on this device
+    h = k.shape[-1] // 2
+    dst = out if out.dtype == torch.float32 else torch.empty(out.shape, device=out.device)
+    torch.mul(k, cos, out=dst)  # [batch, kv_head, pos, d_head]
+    dst[..., :h] -= k[..., h:] * sin[:h]
+    dst[..., h:] += k[..., :h] * sin[h:]
+    if dst is not out:
+        out.copy_(dst)  # one rounding to the cache dtype, as rotate_keys' .to(dtype)
+
+
+def _head_view(keys: tuple[Tensor, ...], values: tuple[Tensor, ...], stop: int) -> KVCache:
+    return KVCache(tuple(k[:, :, :stop] for k in keys), tuple(v[:, :, :stop] for v in values))
+
+
+def transplant(
+    model: LoadedModel,
+    prefix: KVCache | None,
+    blocks: Block | Sequence[Block],
+    seam: int = 0,
+) -> KVCache:
+    """prefix + blocks, equal to `splice_many(model, prefix, blocks, seam)` (bit-identical in fp32).
+
+    Block j lands at p_j = |prefix| + sum of earlier block lengths; its keys are rotated by
+    delta = p_j into the output buffer and its first min(seam, L_j) tokens are recomputed against
+    everything before them (one forward per block with seam > 0). Stored blocks may be
+    memory-mapped on CPU: they are read once, while rotating.
+    """
+    blks = [blocks] if isinstance(blocks, Block) else list(blocks)
+    if not blks:
+        raise ValueError("nothing to transplant")
+    if seam < 0:
+        raise ValueError(f"seam must be >= 0, got {seam}")
+    first = blks[0].cache
+    dtype, dev = first.dtype, model.device
+    bad = [b.cache.dtype for b in blks if b.cache.dtype != dtype]
+    if prefix is not None and prefix.dtype != dtype:
+        bad.append(prefix.dtype)
+    if bad:
+        raise ValueError(f"blocks and prefix must share one dtype, got {dtype} and {bad}")
+    if any(b.cache.batch != 1 for b in blks) or (prefix is not None and prefix.batch != 1):
+        raise ValueError("transplant builds batch-1 caches")
+    start = 0 if prefix is None else prefix.seq_len
+    total = start + sum(len(b) for b in blks)
+    n_layers = first.n_layers
+    keys = tuple(torch.empty(1, k.shape[1], total, k.shape[3], dtype=dtype, device=dev)
+                 for k in first.keys)  # per layer [1, kv_head, total, d_head]
+    values = tuple(torch.empty(1, v.shape[1], total, v.shape[3], dtype=dtype, device=dev)
+                   for v in first.values)
+    if prefix is not None:
+        for i in range(n_layers):
+            keys[i][:, :, :start].copy_(prefix.keys[i])
+            values[i][:, :, :start].copy_(prefix.values[i])
+    pos = start
+    for blk in blks:
+        k_seam = min(seam, len(blk))
+        if k_seam:
+            head = None if pos == 0 else _head_view(keys, values, pos)
+            fresh = extend(model, head, blk.ids[:, :k_seam]).cache  # [.., pos + k_seam, ..]
+            for i in range(n_layers):
+                keys[i][:, :, pos : pos + k_seam].copy_(fresh.keys[i][:, :, pos:])
+                values[i][:, :, pos : pos + k_seam].copy_(fresh.values[i][:, :, pos:])
+        lo, hi = pos + k_seam, pos + len(blk)
+        if hi > lo:
+            delta = torch.tensor([pos])
+            for i in range(n_layers):
+                cos, sin = model.adapter.rope_cos_sin(model.hf, delta, i)  # [1, d_head] fp32
+                _rotate_into(keys[i][:, :, lo:hi], blk.cache.keys[i][:, :, k_seam:],
+                             cos[0].to(dev), sin[0].to(dev))
+                values[i][:, :, lo:hi].copy_(blk.cache.values[i][:, :, k_seam:])
+        pos = hi
+    return KVCache(keys, values)
+
+
+def greedy(
+    model: LoadedModel,
+    cache: KVCache | None,
+    ids: Ids,
+    max_new_tokens: int = 16,
+    stop_ids: Sequence[int] = (),
+) -> tuple[list[int], Float[Tensor, " vocab"]]:
+    """Greedy continuation of `ids` after `cache` (via `run.extend`), stopping at `stop_ids`.
+
+    Returns the new tokens and the first next-token logits (fp32), the ones TTFT is about.
+    """
+    step = extend(model, cache, ids)
+    first = step.logits[0, -1]
+    out: list[int] = []
+    stops = set(stop_ids)
+    for _ in range(max_new_tokens):
+        tok = int(step.logits[0, -1].argmax())
+        if tok in stops:
+            break
+        out.append(tok)
+        if len(out) < max_new_tokens:
+            step = extend(model, step.cache, [tok])
+    return out, first

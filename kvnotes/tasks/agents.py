@@ -26,6 +26,7 @@ from kvnotes.tasks.tokens import (
     bos_text,
     decision_ids,
     has_chat,
+    space_is_separate,
 )
 
 ANSWER_PREFIX = "Next action:"
@@ -163,7 +164,8 @@ def render(sc: AgentScenario, tok: Any, turn: int, mode: str = "erratum") -> Age
         if j < turn:
             pieces += [Piece(w["a_open"], "turn"), Piece(f"{ANSWER_PREFIX} {t.correct}", f"answer:{j}"),
                        Piece(w["a_close"], "turn")]
-    pieces += [Piece(w["tail"], "turn"), Piece(ANSWER_PREFIX, "answer_prefix")]
+    sep = " " if space_is_separate(tok) else ""
+    pieces += [Piece(w["tail"], "turn"), Piece(ANSWER_PREFIX + sep, "answer_prefix")]
     asm = assemble(tok, [p for p in pieces if p.text], mutable=False)
     d = _domain(sc.turns[turn].domain)
     return AgentPrompt(asm.old_ids, asm.old_text, asm.segments, d.outcomes,

@@ -187,7 +187,7 @@ def prompt_pieces(suite: Suite, d: Draw, fr: Frame, fill: list[str]) -> list[Pie
     out = [Piece(fr.head, "head"), *system, Piece(fr.mid, "turn_user"), *user,
            Piece(fr.tail, "turn_answer")]
     if design.answer_prefix or not fr.chat:
-        out.append(Piece(f["answer_prefix"], "answer_prefix"))
+        out.append(Piece(f["answer_prefix"] + fr.answer_sep, "answer_prefix"))
     return [p for p in out if p.text or p.alt]
 
 

@@ -69,7 +69,7 @@ def _pieces(fact: Fact, value: int, fr: Frame, log: list[str], profile: list[str
            Piece("## Conversation log\n", "trajectory"), *[Piece(e, "trajectory") for e in log],
            Piece("\n## User memory\n", "memory"), *mem,
            Piece(fr.mid, "turn_user"), Piece(fact.question + "\n", "question"), Piece(TASK, "task"),
-           Piece(fr.tail, "turn_answer"), Piece(ANSWER_PREFIX, "answer_prefix")]
+           Piece(fr.tail, "turn_answer"), Piece(ANSWER_PREFIX + fr.answer_sep, "answer_prefix")]
     return [p for p in out if p.text]
 
 

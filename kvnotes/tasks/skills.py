@@ -85,7 +85,7 @@ def _pieces(
     for s, fill in zip(chosen, fills, strict=True):
         out += block_pieces(s, fill, fewshot, random.Random(f"{rng.random()}"))
     out += [Piece(fr.mid, "turn_user"), *question_pieces(target, value), Piece(fr.tail, "turn_answer"),
-            Piece(ANSWER_PREFIX, "answer_prefix")]
+            Piece(ANSWER_PREFIX + fr.answer_sep, "answer_prefix")]
     return [p for p in out if p.text]
 
 

@@ -56,6 +56,7 @@ class Frame:
     mid: str  # between system and user text
     tail: str  # after the user text, through the assistant header
     system_role: bool = True  # False: the template has no system role (merged into the user turn)
+    answer_sep: str = ""  # appended to an answer prefix when a space is its own token
 
 
 def encode(tok: Any, text: str) -> list[int]:
@@ -85,10 +86,18 @@ def has_chat(tok: Any) -> bool:
     return bool(getattr(tok, "chat_template", None))
 
 
+def space_is_separate(tok: Any) -> bool:
+    """True when a leading space is its own token (character-level tokenizers): then every
+    outcome would start with the same space token, so the prompt ends with the space instead."""
+    sp, word = encode(tok, " "), encode(tok, " a")
+    return len(sp) == 1 and len(word) > 1 and word[0] == sp[0]
+
+
 def frame(tok: Any, chat: bool) -> Frame:
     """Split the chat template around sentinel messages (or build a completion frame)."""
+    sep = " " if space_is_separate(tok) else ""
     if not (chat and has_chat(tok)):
-        return Frame(False, bos_text(tok), "\n\n", "\n")
+        return Frame(False, bos_text(tok), "\n\n", "\n", answer_sep=sep)
     msgs = [{"role": "system", "content": SENTINEL_SYSTEM}, {"role": "user", "content": SENTINEL_USER}]
     try:
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -102,7 +111,7 @@ def frame(tok: Any, chat: bool) -> Frame:
     mid, tail = rest.split(SENTINEL_USER)
     if not system_role:
         mid = "\n\n"
-    return Frame(True, head, mid, tail, system_role)
+    return Frame(True, head, mid, tail, system_role, sep)
 
 
 def _pad(ids: list[int], n: int, pad: int) -> list[int]:

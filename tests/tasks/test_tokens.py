@@ -84,3 +84,28 @@ def test_frames(qwen_tok, gemma_tok):
 def test_aggregators():
     assert is_aggregator("\n") and is_aggregator(".") and is_aggregator(":\n") and is_aggregator(" ")
     assert not is_aggregator(" order") and not is_aggregator("ship")
+
+
+def _char_tokenizer():
+    """Every character its own token, spaces too."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_character_tokenizers_get_distinct_decision_tokens():
+    """With a space as its own token the prompt ends with the space, so the outcomes' first
+    characters are the decision tokens; the tiny models' tokenizer merges ' x' and needs none."""
+    from kvnotes.models.tiny import tiny_tokenizer
+
+    for tok, tail in ((_char_tokenizer(), ": "), (tiny_tokenizer(), ":")):
+        for suite in ("gated", "skills", "memory", "gated-control"):
+            for it in build_suite(suite, tok, chat=True, n_items=12, length=1500):
+                assert it.old_text.endswith(tail) and len(set(it.decision_ids)) == len(it.outcomes)
+                firsts = [tok.decode([i]).strip() for i in it.decision_ids]
+                assert firsts == [o[0] for o in it.outcomes]

@@ -1,0 +1,254 @@
+"""Experiment `compose`: fidelity of transplanted skills against a full recompute, per seam K.
+
+Each skills item (kvnotes.tasks, suite `skills`) is a prompt of several skill blocks, then a
+question one skill decides. Reference: a clean prefill of the whole prompt. Composed: the prompt
+head prefilled, every skill block prefilled alone at positions 0..L-1, RoPE-repositioned to where
+it lands and spliced with its first K tokens recomputed (`compose.transplant`), then the
+question run on top. Per item and K: full-vocabulary logit cosine at the last position, top-1
+agreement, KL(full || composed) and decision agreement (argmax over the outcome tokens); the
+summary is the seam-repair curve, overall and per skill domain, each with n and a bootstrap CI.
+A correctness gate (`compose.self_check` on probe blocks) runs first and is recorded.
+
+    python -m experiments.run +experiment=compose model=llama
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from experiments.config import ConfigError
+from experiments.registry import register
+from kvnotes.metrics import bootstrap_ci, kl_divergence, logit_cosine, top1_agree
+
+if TYPE_CHECKING:
+    from experiments.run import Context
+    from kvnotes.models import LoadedModel
+    from kvnotes.tasks import TaskItem
+
+log = logging.getLogger(__name__)
+SEAMS = [0, 1, 2, 4, 8, 16, 32]
+GATE = "gate"  # unit key and `kind` of the correctness-gate records
+
+
+# --- the correctness gate, shared by the composition experiments ------------------------------
+
+
+@dataclass
+class GateConfig:
+    """Before trusting transplants: splice probe blocks, compare with a full recompute."""
+
+    n_blocks: int = 2
+    seams: list[int] = field(default_factory=lambda: [0, 4])
+    threshold: float = 0.9  # the gate passes when every seam's mean cosine is >= this
+    required: bool = True  # a failed gate stops the experiment (never a silent fallback)
+
+    def __post_init__(self) -> None:
+        if self.n_blocks < 1 or not self.seams or any(k < 0 for k in self.seams):
+            raise ConfigError("gate: n_blocks >= 1 and a non-empty list of seams >= 0 are needed")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"gate.threshold is a cosine in [-1, 1], got {self.threshold}")
+
+
+def run_gate(ctx: Context, gate: GateConfig) -> None:
+    """Write the gate unit (one record per probe block and seam) and enforce it if required."""
+    from experiments.selfcheck import QUESTION, encode, texts
+    from experiments.selfcheck import SelfcheckConfig as Probe
+    from kvnotes.compose import self_check
+
+    tok, model = ctx.model.tokenizer, ctx.model
+    dtype = str(model.dtype).removeprefix("torch.")
+    for key in ctx.pending([GATE], desc="gate"):
+        rows = []
+        for i in range(gate.n_blocks):
+            prefix, block = texts(i, ctx.cfg.seed, Probe())
+            b = encode(tok, block, special=False)
+            seams = sorted({min(k, len(b)) for k in gate.seams})
+            for r in self_check(model, encode(tok, prefix, True), b, encode(tok, QUESTION, False),
+                                seams):
+                rows.append({"kind": GATE, "block": i, "dtype": dtype, **r})
+        ctx.write(key, rows)
+    verdict = gate_summary(ctx.writer.read(), gate)
+    log.info("composition gate: %s", verdict)
+    if gate.required and not verdict["pass"]:
+        raise RuntimeError(
+            f"composition gate failed for {ctx.cfg.model.name}: {verdict}; transplants are not "
+            f"trusted on this model (set experiment.gate.required=false to record anyway)"
+        )
+
+
+def gate_summary(df: pd.DataFrame, gate: GateConfig) -> dict[str, Any]:
+    """Per seam mean cosine and top-1 agreement; exactness of K = L splicing; pass."""
+    from experiments.selfcheck import ATOL
+
+    g = df[df["kind"] == GATE] if "kind" in df.columns else df.iloc[:0]
+    if not len(g):
+        return {"pass": False, "n": 0}
+    seams = {str(int(k)): {"cosine": float(s["cosine"].mean()),
+                           "top1_agree": float(s["top1_agree"].astype(float).mean()), "n": len(s)}
+             for k, s in g.groupby("seam")}
+    exact = float(max(g["max_abs_diff_extend"].max(), g["max_abs_diff_splice_full"].max()))
+    atol = ATOL.get(str(g["dtype"].iloc[0]), 1e-3)
+    ok = exact <= atol and all(s["cosine"] >= gate.threshold for s in seams.values())
+    return {"pass": bool(ok), "threshold": gate.threshold, "max_abs_diff": exact, "atol": atol,
+            "seams": seams}
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with `n` torch CPU threads (None: unchanged); 1 is steadier on a shared CPU."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def ci(values: Any, n_boot: int) -> dict[str, float | int]:
+    """mean, lo, hi, n of the finite values (95 % percentile bootstrap)."""
+    mean, lo, hi, n = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot)
+    return {"mean": mean, "lo": lo, "hi": hi, "n": n}
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor, decision_ids: tuple[int, ...]) -> dict[str, Any]:
+    """Cosine, top-1, KL(ref || logits) and the decision (outcome token id) of both ([vocab])."""
+    ids = list(decision_ids)
+    got, want = ids[int(logits[ids].argmax())], ids[int(ref[ids].argmax())]  # token ids
+    return {
+        "cosine": float(logit_cosine(logits, ref)),
+        "top1_agree": bool(top1_agree(logits, ref)),
+        "kl": float(kl_divergence(ref, logits)),
+        "decision": got,
+        "decision_ref": want,
+        "decision_agree": got == want,
+    }
+
+
+# --- the fidelity experiment ------------------------------------------------------------------
+
+
+@dataclass
+class ComposeConfig:
+    """Skills items, seams and the gate. `length` is tokens per prompt (suite `skills`)."""
+
+    n_items: int = 20  # round-robin over the skills, alternating question value
+    length: int = 600
+    seams: list[int] = field(default_factory=lambda: list(SEAMS))
+    noise_floor: bool = True  # also compare a seam covering every block (chunked full recompute)
+    gate: GateConfig = field(default_factory=GateConfig)
+    threads: int | None = None  # torch CPU threads (None: unchanged; 1 is faster on a shared CPU)
+    n_boot: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.n_items < 1 or self.length < 1:
+            raise ConfigError("n_items and length must be >= 1")
+        if not self.seams or any(k < 0 for k in self.seams):
+            raise ConfigError(f"seams must be a non-empty list of ints >= 0, got {self.seams}")
+
+
+def split_item(item: TaskItem, prefix_name: str = "skill:") -> tuple[list[int], list[tuple[str, list[int]]], list[int]]:
+    """(head ids, [(segment, block ids)], tail ids) of a prompt whose blocks are adjacent segments."""
+    ids = list(item.old_ids)
+    blocks = sorted((s, e, name) for name, (s, e) in item.segments.items() if name.startswith(prefix_name))
+    if not blocks:
+        raise ValueError(f"{item.item_id}: no {prefix_name}* segments")
+    for (_, e, _), (s, _, _) in zip(blocks, blocks[1:]):
+        if e != s:
+            raise ValueError(f"{item.item_id}: blocks are not adjacent ({e} != {s})")
+    head, tail = ids[: blocks[0][0]], ids[blocks[-1][1] :]
+    return head, [(name, ids[s:e]) for s, e, name in blocks], tail
+
+
+def fidelity(
+    model: LoadedModel, item: TaskItem, seams: list[int], floor: bool = False
+) -> list[dict[str, Any]]:
+    """One record per seam K: the composed prompt vs a full recompute of the same tokens.
+
+    `floor` adds a row (kind "floor") whose seam covers every block: the same tokens recomputed
+    in a different chunking, i.e. the numerical noise floor of the comparison in this dtype.
+    """
+    from kvnotes import compose, run
+
+    head, blocks, tail = split_item(item)
+    ref = run.prefill(model, list(item.old_ids)).logits[0, -1]  # [vocab]
+    prefix = run.prefill(model, head).cache if head else None
+    blks = [compose.prefill_block(model, b) for _, b in blocks]
+    lens = [len(b) for b in blks]
+    rows = []
+    runs = [("fidelity", k) for k in seams] + ([("floor", max(lens))] if floor else [])
+    for kind, k in runs:
+        cache = compose.transplant(model, prefix, blks, k)
+        logits = run.extend(model, cache, tail).logits[0, -1]
+        rows.append({
+            "kind": kind, "item_id": item.item_id, "domain": item.domain, "seam": int(k),
+            **compare(logits, ref, item.decision_ids),
+            "n_tokens": item.n_tokens, "n_blocks": len(blks), "block_len_mean": float(np.mean(lens)),
+            "recomputed": sum(min(k, n) for n in lens) + len(tail),
+        })
+    correct = item.decision_ids[item.outcomes.index(item.correct_old)]
+    for r in rows:
+        r["correct_ref"] = r["decision_ref"] == correct
+        r["correct"] = r["decision"] == correct
+    return rows
+
+
+def summarize(records: list[dict[str, Any]], cfg: ComposeConfig) -> dict[str, Any]:
+    """The seam-repair curve: per K (and per K and domain) cosine, top-1, KL, decisions."""
+    df = pd.DataFrame(records)
+    out: dict[str, Any] = {"gate": gate_summary(df, cfg.gate)}
+    fid = df[df["kind"] == "fidelity"] if "kind" in df else df.iloc[:0]
+    if not len(fid):
+        return out
+
+    def stats(g: pd.DataFrame) -> dict[str, Any]:
+        return {
+            "cosine": ci(g["cosine"], cfg.n_boot),
+            "top1_agree": ci(g["top1_agree"].astype(float), cfg.n_boot),
+            "kl": ci(g["kl"], cfg.n_boot),
+            "decision_agree": ci(g["decision_agree"].astype(float), cfg.n_boot),
+            "accuracy": ci(g["correct"].astype(float), cfg.n_boot),
+            "accuracy_full": ci(g["correct_ref"].astype(float), cfg.n_boot),
+        }
+
+    out["n_items"] = int(fid["item_id"].nunique())
+    out["n_tokens_mean"] = float(fid["n_tokens"].mean())
+    out["seams"] = {str(int(k)): stats(g) for k, g in fid.groupby("seam")}
+    floor = df[df["kind"] == "floor"]
+    if len(floor):  # the dtype's noise floor: every block token recomputed, chunked differently
+        out["noise_floor"] = stats(floor)
+    out["domains"] = {
+        d: {str(int(k)): {"cosine": float(gk["cosine"].mean()),
+                          "decision_agree": float(gk["decision_agree"].mean()), "n": len(gk)}
+            for k, gk in g.groupby("seam")}
+        for d, g in fid.groupby("domain")
+    }
+    return out
+
+
+@register("experiment", "compose", ComposeConfig, summarize=summarize,
+          help="transplanted skills vs full recompute per seam K and skill domain (seam curve)")
+def run(ctx: Context) -> None:
+    cfg: ComposeConfig = ctx.params
+    with torch_threads(cfg.threads):
+        run_gate(ctx, cfg.gate)
+        fidelity_units(ctx, cfg)
+
+
+def fidelity_units(ctx: Context, cfg: ComposeConfig) -> None:
+    from kvnotes.tasks import build_suite
+
+    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    items = build_suite("skills", tokenizer=ctx.model.tokenizer, chat=chat, n_items=cfg.n_items,
+                        length=cfg.length, seed=ctx.cfg.seed)
+    units = {f"item-{it.item_id}": it for it in items}
+    for key in ctx.pending(list(units), desc="compose items"):
+        ctx.write(key, fidelity(ctx.model, units[key], sorted(set(cfg.seams)), cfg.noise_floor))

@@ -1,0 +1,307 @@
+"""Experiment `compose_scaling`: time to first token, full prefill vs transplant vs the limit.
+
+For each skill length L a skill block of exactly L tokens is precompiled (prefilled alone and
+saved to the store), and three paths to the first token of a question are timed side by side in
+one process, alternating their order every repeat:
+
+* full prefill: system prefix + skill + question from scratch, O(L^2) attention + O(L) MLP;
+* transplant: load the block from the store (mmap), rotate its keys by the prefix length into a
+  buffer after the cached system prefix, recompute `seam` tokens, prefill the question, O(L);
+* the limit: prefill only the question against an already cached prefix + skill context.
+
+speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
+limit (it adds the load, one rotation per layer and the seam forward). Peak memory is the rise
+of the process' peak RSS during each path (Linux clear_refs). Medians over repeats, with
+bootstrap CIs of the per-repeat paired ratios.
+
+    python -m experiments.run +experiment=compose_scaling model=llama device=cpu
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from experiments.compose import GateConfig, ci, gate_summary, run_gate, torch_threads
+from experiments.config import ConfigError
+from experiments.registry import register
+from kvnotes.metrics import logit_cosine
+
+if TYPE_CHECKING:
+    from experiments.run import Context
+    from kvnotes.models import LoadedModel
+
+log = logging.getLogger(__name__)
+# The paper's TTFT speedups (Qwen3-8B, GPU), by approximate skill length in tokens.
+PAPER_SPEEDUP = {500: 1.16, 2000: 3.01, 8000: 9.8, 16000: 10.58, 32000: 13.93}
+INTRO = "You are an operations agent. Apply the skill that matches the request.\n\n"
+TASK = "Reply with the name of the tool only."
+ANSWER_PREFIX = "Next action:"
+
+
+@dataclass
+class ComposeScalingConfig:
+    """Skill lengths (tokens), repeats per path, the seam of the headline transplant."""
+
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
+    repeats: int = 3  # timed rounds per length; each round runs every path once
+    seam: int = 4  # seam repair of the headline transplant path
+    extra_seams: list[int] = field(default_factory=lambda: [0])  # also timed (transplant@K)
+    skill: str = "refund"  # kvnotes.tasks.skills name: header, rule and guidelines
+    store_dir: str | None = None  # None: <run dir>/store
+    keep_store: bool = False  # keep the block files after a length is measured
+    threads: int | None = None  # torch CPU threads while timing (None: leave as is); 1 is
+    # steadier than 2 on a CPU shared with other jobs (no spinning at OpenMP barriers)
+    gate: GateConfig = field(default_factory=GateConfig)
+    n_boot: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(n < 16 for n in self.lengths):
+            raise ConfigError(f"lengths must be a non-empty list of ints >= 16, got {self.lengths}")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.seam < 0 or any(k < 0 for k in self.extra_seams):
+            raise ConfigError("seams must be >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+
+
+# --- memory and timing ------------------------------------------------------------------------
+
+
+def _status_kb(field_name: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"{field_name}:\s+(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def _reset_peak() -> bool:
+    """Reset the peak RSS (VmHWM) to the current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    """Hand freed heap pages back to the OS (glibc), so a later peak counts new allocations."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """(result, seconds, peak RSS rise in MB during fn; NaN when it cannot be measured)."""
+    gc.collect()
+    _trim()
+    ok = _reset_peak()
+    base = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    peak = _status_kb("VmHWM")
+    rise = (peak - base) / 1024 if ok and peak is not None and base is not None else float("nan")
+    return out, dt, rise
+
+
+def cache_mb(cache: Any) -> float:
+    return sum(t.numel() * t.element_size() for t in cache.keys + cache.values) / 2**20
+
+
+# --- the three paths --------------------------------------------------------------------------
+
+
+def skill_ids(tok: Any, skill: str, length: int, seed: int) -> list[int]:
+    """Exactly `length` ids: the skill's header and rule amid its guidelines and filler lines."""
+    from kvnotes.tasks import filler
+    from kvnotes.tasks.skills import skills
+    from kvnotes.tasks.tokens import encode
+
+    s = skills()[skill]
+    rule = s.rule.format(o0=s.outcomes[0], o1=s.outcomes[1])
+    head, rule_ids = encode(tok, f"### Skill: {s.title}\n"), encode(tok, f"- Rule: {rule}\n")
+    ids = list(head)
+    k = 0
+    while len(ids) < length:  # filler lines from ever new seeds until the budget is met
+        stream = filler.filler_stream(random.Random(f"{skill}:{seed}:{k}"), s.guidelines)
+        lines = filler.fit(tok, stream, length)
+        if k == 0:
+            lines.insert(len(lines) // 8, f"- Rule: {rule}\n")
+        for line in lines:
+            ids += rule_ids if line.startswith("- Rule:") else encode(tok, line)
+        k += 1
+    return ids[:length]
+
+
+def question_ids(tok: Any, skill: str, chat: bool) -> tuple[list[int], list[int]]:
+    """(system prefix ids, question ids) around the skill, with the chat frame when there is one."""
+    from kvnotes.tasks.skills import skills
+    from kvnotes.tasks.tokens import encode, frame
+
+    fr = frame(tok, chat)
+    s = skills()[skill]
+    q = s.question.format(value=s.values[1])
+    return encode(tok, fr.head + INTRO), encode(tok, fr.mid + q + "\n" + TASK + fr.tail + ANSWER_PREFIX)
+
+
+def one_length(
+    model: LoadedModel, cfg: ComposeScalingConfig, length: int, store: Path, chat: bool, seed: int
+) -> list[dict[str, Any]]:
+    """Every path `cfg.repeats` times for one skill length, order rotated per repeat.
+
+    Repeat 0 runs the full prefill first; its cache, cut before the question, is the limit's
+    already cached context (so the limit reads exactly the full recompute's K/V).
+    """
+    from kvnotes import compose, run
+    from kvnotes.store import block_path, load_block, save_block
+
+    tok = model.tokenizer
+    prefix, question = question_ids(tok, cfg.skill, chat)
+    block = skill_ids(tok, cfg.skill, length, seed)
+    path = block_path(store, f"{cfg.skill}-L{length}")
+    t0 = time.perf_counter()
+    save_block(path, model, compose.prefill_block(model, block), name=f"{cfg.skill}-L{length}")
+    precompile_s = time.perf_counter() - t0
+    prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, common to all
+    static = {"length": length, "prefix_len": len(prefix), "question_len": len(question),
+              "store_mb": path.stat().st_size / 2**20, "precompile_s": precompile_s}
+    run.extend(model, prefix_cache, question)  # warm the kernels at this shape class
+    parts: dict[str, float] = {}
+    state: dict[str, Any] = {}
+
+    def full() -> torch.Tensor:
+        step = run.prefill(model, prefix + block + question)
+        if "context" not in state:  # the limit's already cached context: prefix + skill
+            state["context"] = step.cache.slice(0, len(prefix) + len(block))
+        return step.logits[0, -1]
+
+    def transplant(seam: int) -> Callable[[], torch.Tensor]:
+        def go() -> torch.Tensor:
+            t = time.perf_counter()
+            blk = load_block(path, model)
+            t1 = time.perf_counter()
+            parts["load_s"] = t1 - t
+            cache = compose.transplant(model, prefix_cache, blk, seam)
+            t2 = time.perf_counter()
+            parts["splice_s"] = t2 - t1
+            logits = run.extend(model, cache, question).logits[0, -1]
+            parts["question_s"] = time.perf_counter() - t2
+            return logits
+        return go
+
+    def limit() -> torch.Tensor:
+        return run.extend(model, state["context"], question).logits[0, -1]
+
+    paths: list[tuple[str, int | None, Callable[[], torch.Tensor]]] = [
+        ("full", None, full), ("transplant", cfg.seam, transplant(cfg.seam)), ("limit", None, limit),
+        *[("transplant", k, transplant(k)) for k in cfg.extra_seams if k != cfg.seam],
+    ]
+    rows: list[dict[str, Any]] = []
+    ref: torch.Tensor | None = None
+    for r in range(cfg.repeats):
+        order = paths[r % len(paths):] + paths[: r % len(paths)]
+        for name, seam, fn in order:
+            parts.clear()
+            logits, seconds, peak = measure(fn)
+            if name == "full" and ref is None:
+                ref = logits
+            rows.append({"kind": "timing", "path": name, "seam": -1 if seam is None else seam,
+                         "repeat": r, "seconds": seconds, "peak_mb": peak,
+                         "first_token": int(logits.argmax()), "logits": logits, **parts, **static})
+            del logits
+    assert ref is not None
+    kv_mb = cache_mb(state["context"])
+    for row in rows:  # memory, and each path's first-token logits against the full prefill
+        row["kv_mb"] = kv_mb
+        lg = row.pop("logits")
+        row["cosine"] = float(logit_cosine(lg, ref))
+        row["first_token_agree"] = bool(row["first_token"] == int(ref.argmax()))
+    if not cfg.keep_store:
+        path.unlink(missing_ok=True)
+    return rows
+
+
+# --- summary ----------------------------------------------------------------------------------
+
+
+def paper_speedup(length: int) -> float | None:
+    """The paper's speedup at a length within 10 % of this one, if it reports one."""
+    near = [v for n, v in PAPER_SPEEDUP.items() if abs(n - length) <= 0.1 * n]
+    return near[0] if near else None
+
+
+def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[str, Any]:
+    """Per length: medians of the three paths, speedups with CIs, memory, fidelity, targets."""
+    df = pd.DataFrame(records)
+    out: dict[str, Any] = {"gate": gate_summary(df, cfg.gate), "seam": cfg.seam, "lengths": {}}
+    t = df[df["kind"] == "timing"] if "kind" in df.columns else df.iloc[:0]
+    for length, g in t.groupby("length"):
+        def sel(path: str, seam: int = -1, g: pd.DataFrame = g) -> pd.DataFrame:
+            return g[(g["path"] == path) & (g["seam"] == seam)].sort_values("repeat")
+
+        full, tp, lim = sel("full"), sel("transplant", cfg.seam), sel("limit")
+        f, x, m = (s["seconds"].to_numpy() for s in (full, tp, lim))
+        n = min(len(f), len(x), len(m))
+        row: dict[str, Any] = {
+            "full_prefill_s": float(np.median(f)), "transplant_s": float(np.median(x)),
+            "limit_s": float(np.median(m)),
+            "speedup": float(np.median(f) / np.median(x)),
+            "limit_speedup": float(np.median(f) / np.median(m)),
+            "speedup_ci": ci(f[:n] / x[:n], cfg.n_boot),
+            "limit_speedup_ci": ci(f[:n] / m[:n], cfg.n_boot),
+            "speedup_min": float(f.min() / x.min()), "limit_speedup_min": float(f.min() / m.min()),
+            "n_repeats": int(n),
+            "transplant_parts_s": {k: float(tp[k].median()) for k in ("load_s", "splice_s", "question_s")},
+            "peak_mb": {"full": float(full["peak_mb"].median()), "transplant": float(tp["peak_mb"].median()),
+                        "limit": float(lim["peak_mb"].median())},
+            "kv_mb": float(g["kv_mb"].iloc[0]), "store_mb": float(g["store_mb"].iloc[0]),
+            "precompile_s": float(g["precompile_s"].iloc[0]),
+            "transplant_cosine": float(tp["cosine"].mean()),
+            "transplant_first_token_agree": float(tp["first_token_agree"].mean()),
+        }
+        row["fraction_of_limit"] = row["speedup"] / row["limit_speedup"]
+        for k in sorted(set(g.loc[g["path"] == "transplant", "seam"]) - {cfg.seam}):
+            e = sel("transplant", int(k))
+            row[f"transplant_s@{int(k)}"] = float(e["seconds"].median())
+            row[f"speedup@{int(k)}"] = float(np.median(f) / e["seconds"].median())
+            row[f"transplant_cosine@{int(k)}"] = float(e["cosine"].mean())
+        paper = paper_speedup(int(length))
+        row["paper_speedup"] = paper
+        row["meets_targets"] = bool((paper is None or row["speedup"] > paper)
+                                    and row["fraction_of_limit"] >= 2 / 3)
+        out["lengths"][str(int(length))] = row
+    return out
+
+
+@register("experiment", "compose_scaling", ComposeScalingConfig, summarize=summarize,
+          help="TTFT of full prefill vs transplant vs the limit (question only), per skill length")
+def run(ctx: Context) -> None:
+    cfg: ComposeScalingConfig = ctx.params
+    store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"
+    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    log.info("compose_scaling on %s, %s, %s threads", ctx.model.device, ctx.model.dtype,
+             cfg.threads or torch.get_num_threads())
+    units = {f"L-{n:06d}": n for n in sorted(set(cfg.lengths))}
+    with torch_threads(cfg.threads):
+        run_gate(ctx, cfg.gate)
+        for key in ctx.pending(list(units), desc="lengths"):
+            rows = one_length(ctx.model, cfg, units[key], store, chat, ctx.cfg.seed)
+            ctx.write(key, [{**r, "threads": torch.get_num_threads(),
+                             "device": str(ctx.model.device)} for r in rows])

@@ -1,0 +1,192 @@
+"""The skill store: precompiled blocks on disk, loadable by another process, refused by another model.
+
+A block prefilled alone at positions 0..L-1 is saved as one safetensors file: `k.<layer>` and
+`v.<layer>` ([1, kv_head, L, d_head], post-RoPE keys, in the model's dtype) and `ids` ([1, L]),
+with metadata naming the model, its weights checksum, its rotary configuration and the dtype.
+K/V are only meaningful under the exact weights and rotary frequencies that wrote them, so
+loading checks all three and refuses a mismatch with the differing fields; tensors are mapped
+from the file (safetensors mmap) rather than read, so loading costs O(1) until they are touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvnotes.cache import KVCache
+from kvnotes.compose import Block
+from kvnotes.models.loading import LoadedModel
+
+FORMAT = "kvnotes-block/1"
+SUFFIX = ".safetensors"
+
+
+class StoreError(ValueError):
+    """A stored block that cannot be used here (unreadable, or made by another model)."""
+
+
+class BlockMismatchError(StoreError):
+    """The block was prefilled by another model, rotary configuration or dtype."""
+
+
+def weights_id(model: LoadedModel) -> str:
+    """The weights checksum when the registry has one, else a fingerprint of the parameters.
+
+    The fingerprint hashes every parameter's name, shape, dtype and first 4096 values, which is
+    cheap at any model size and tells two random initialisations apart.
+    """
+    if model.checksum:
+        return str(model.checksum)
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return "fingerprint:" + h.hexdigest()
+
+
+def rope_signature(model: LoadedModel) -> str:
+    """JSON of what fixes the keys' rotation: per-layer rope parameters, head and layer counts."""
+    hf, a = model.hf, model.adapter
+    layers = [a.rope_parameters(hf, i) for i in range(model.n_layers)]
+    sig = {
+        "family": a.family,
+        "head_dim": a.head_dim(hf),
+        "n_kv_heads": a.n_kv_heads(hf),
+        "n_layers": model.n_layers,
+        "rope": layers if any(p != layers[0] for p in layers) else layers[0],
+    }
+    return json.dumps(sig, sort_keys=True, default=str)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """The metadata of a stored block (what `save_block` writes beside the tensors)."""
+
+    name: str
+    model: str
+    weights: str
+    rope: str
+    dtype: str
+    length: int
+    n_layers: int
+    format: str = FORMAT
+    text: str = ""
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, str], path: Path) -> BlockInfo:
+        if meta.get("format") != FORMAT:
+            raise StoreError(f"{path}: not a kvnotes block (format {meta.get('format')!r}, "
+                             f"expected {FORMAT!r})")
+        try:
+            return cls(meta["name"], meta["model"], meta["weights"], meta["rope"], meta["dtype"],
+                       int(meta["length"]), int(meta["n_layers"]), meta["format"],
+                       meta.get("text", ""))
+        except KeyError as e:
+            raise StoreError(f"{path}: block metadata lacks {e.args[0]!r}") from None
+
+    def to_metadata(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.__dict__.items()}
+
+    def mismatches(self, model: LoadedModel) -> list[str]:
+        """What differs between the model that wrote this block and `model` (empty: usable)."""
+        out = []
+        if self.model != model.name:
+            out.append(f"model: block {self.model!r}, loaded {model.name!r}")
+        here = weights_id(model)
+        if self.weights != here:
+            out.append(f"weights: block {self.weights[:24]}..., loaded {here[:24]}...")
+        rope = rope_signature(model)
+        if self.rope != rope:
+            out.append(f"rope: block {self.rope}, loaded {rope}")
+        if self.dtype != dtype_name(model.dtype):
+            out.append(f"dtype: block {self.dtype}, loaded {dtype_name(model.dtype)}")
+        return out
+
+
+def block_path(root: str | os.PathLike[str], name: str) -> Path:
+    """Where block `name` lives under a store directory (unsafe characters replaced)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return Path(root) / f"{safe}{SUFFIX}"
+
+
+def save_block(
+    path: str | os.PathLike[str], model: LoadedModel, block: Block, name: str = "", text: str = ""
+) -> Path:
+    """Write `block` (prefilled alone by `model`) to `path` atomically; returns the path."""
+    from safetensors.torch import save_file
+
+    if block.cache.batch != 1:
+        raise ValueError("a stored block is a single sequence (batch 1)")
+    if block.cache.n_layers != model.n_layers:
+        raise ValueError(f"block has {block.cache.n_layers} layers, the model {model.n_layers}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"ids": block.ids.detach().to("cpu", torch.long).contiguous()}
+    for i, (k, v) in enumerate(zip(block.cache.keys, block.cache.values)):
+        tensors[f"k.{i}"] = k.detach().cpu().contiguous()  # [1, kv_head, L, d_head]
+        tensors[f"v.{i}"] = v.detach().cpu().contiguous()
+    info = BlockInfo(name or path.stem, model.name, weights_id(model), rope_signature(model),
+                     dtype_name(block.cache.dtype), len(block), block.cache.n_layers, text=text)
+    if info.dtype != dtype_name(model.dtype):
+        raise ValueError(f"block dtype {info.dtype} differs from the model's {dtype_name(model.dtype)}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=info.to_metadata())
+    os.replace(tmp, path)
+    return path
+
+
+def read_info(path: str | os.PathLike[str]) -> BlockInfo:
+    """The metadata of a stored block, without touching its tensors."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise StoreError(f"no stored block at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise StoreError(f"{path}: unreadable safetensors file ({e})") from e
+    return BlockInfo.from_metadata(meta, path)
+
+
+def load_block(
+    path: str | os.PathLike[str], model: LoadedModel, device: torch.device | str | None = None
+) -> Block:
+    """The block stored at `path`, checked against `model`; tensors stay memory-mapped on CPU.
+
+    Raises `BlockMismatchError` listing every field (model, weights, rope, dtype) that differs.
+    `device` other than CPU copies the tensors there; by default they stay on CPU (zero-copy) and
+    `compose.transplant` moves them while rotating.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    info = read_info(path)
+    bad = info.mismatches(model)
+    if bad:
+        raise BlockMismatchError(
+            f"stored block {info.name!r} ({path}) was prefilled under another configuration and "
+            f"cannot be spliced into this model: " + "; ".join(bad)
+        )
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        ids = f.get_tensor("ids")
+        keys = tuple(f.get_tensor(f"k.{i}") for i in range(info.n_layers))
+        values = tuple(f.get_tensor(f"v.{i}") for i in range(info.n_layers))
+    cache = KVCache(keys, values)
+    if device is not None and torch.device(device) != torch.device("cpu"):
+        cache = cache.to(device=device)
+    if int(ids.shape[1]) != info.length or cache.seq_len != info.length:
+        raise StoreError(f"{path}: length {info.length} in metadata, tensors hold {cache.seq_len}")
+    return Block(ids, cache)
