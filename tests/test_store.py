@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ATOL_FP32
+from tolerances import ATOL_FP32
 
 from kvnotes import compose, run, store
 from kvnotes.models.tiny import tiny_model
