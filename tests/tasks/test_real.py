@@ -30,7 +30,9 @@ def test_validation_bookkeeping_on_llama(llama):
 
 
 @pytest.fixture(scope="module")
-def qwen15():
+def qwen15(request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("loads qwen-1.5b (3 GB) and takes minutes: run with -m slow")
     try:
         return load_model("qwen-1.5b", device="cpu", dtype="bfloat16")
     except WeightsError as e:

@@ -86,7 +86,7 @@ def test_score_items_matches_a_plain_forward():
     from kvnotes.models import load_tokenizer
 
     # real prompts, ids folded into the tiny vocabulary
-    its = build_suite("gated", load_tokenizer("qwen"), n_items=2, length=200)
+    its = build_suite("gated", load_tokenizer("qwen"), n_items=2, length=300)
     V = m.hf.config.vocab_size
     from dataclasses import replace
 
