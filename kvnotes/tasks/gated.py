@@ -147,7 +147,9 @@ def session_pieces(d: Draw) -> list[Piece]:
     old_c, new_c = d.controls
     for k in ("request_id", "current_time"):
         alt = " " + new_c[k] if d.flip == k else None
-        lines += [Piece(f"{k}:", "session"), Piece(" " + old_c[k], "session", alt, cf if alt else None),
+        # no content-free value for a control: "N/A" there says nothing about the gating field,
+        # so controls are read raw (calibrating them would only add noise)
+        lines += [Piece(f"{k}:", "session"), Piece(" " + old_c[k], "session", alt),
                   Piece("\n", "session")]
     return lines
 

@@ -100,6 +100,7 @@ def test_control_keeps_the_decision(qwen_tok):
     assert {it.field_name for it in items} == {"request_id", "current_time"}
     for it in items:
         assert it.correct_old == it.correct_new and not it.flips
+        assert it.cf_ids is None  # controls are read raw
         pos, neg = it.score_ids
         assert neg == it.decision_ids[it.index(it.correct_old)] and pos != neg
 
