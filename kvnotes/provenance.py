@@ -74,7 +74,7 @@ def machine() -> dict[str, Any]:
     try:
         import torch
 
-        info["cuda"] = torch.version.cuda
+        info["cuda_version"] = torch.version.cuda
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         info["torch_threads"] = torch.get_num_threads()
     except ImportError:
