@@ -21,9 +21,8 @@ from kvnotes.tasks.templates import Domain, Suite, banks
 from kvnotes.tasks.tokens import (
     Frame,
     Piece,
-    aggregator_positions,
     assemble,
-    decision_ids,
+    rendered_fields,
 )
 
 
@@ -236,20 +235,10 @@ def build_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed:
         field_name=name,
         old_value=old_v,
         new_value=new_v,
-        old_text=a.old_text,
-        new_text=a.new_text,
-        old_ids=a.old_ids,
-        new_ids=a.new_ids,
-        field_span=a.span,
-        aggregators=aggregator_positions(tok, a.old_ids, a.span[1]),
-        outcomes=d.domain.outcomes,
-        decision_ids=decision_ids(tok, d.domain.outcomes, a.old_text),
         correct_old=correct_old,
         correct_new=correct_new,
         polarity=d.polarity,
-        chat=fr.chat,
-        segments=a.segments,
-        cf_ids=a.cf_ids,
+        **rendered_fields(tok, a, d.domain.outcomes, fr.chat),
         meta={"length": length, "fewshot": suite.design.fewshot,
               "rule_position": suite.design.rule_position},
     )

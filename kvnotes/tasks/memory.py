@@ -17,7 +17,7 @@ from typing import Any
 from kvnotes.tasks import filler
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.templates import Suite, bank
-from kvnotes.tasks.tokens import Frame, Piece, aggregator_positions, assemble, decision_ids
+from kvnotes.tasks.tokens import Frame, Piece, assemble, rendered_fields
 
 INTRO = "You are a personal assistant. Answer from the user memory below."
 TASK = "Reply with the answer only, in one word."
@@ -99,18 +99,8 @@ def build_memory_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int
         field_name=fact.name,
         old_value=fact.values[value],
         new_value=fact.values[1 - value],
-        old_text=a.old_text,
-        new_text=a.new_text,
-        old_ids=a.old_ids,
-        new_ids=a.new_ids,
-        field_span=a.span,
-        aggregators=aggregator_positions(tok, a.old_ids, a.span[1]),
-        outcomes=fact.outcomes,
-        decision_ids=decision_ids(tok, fact.outcomes, a.old_text),
         correct_old=fact.outcomes[value],
         correct_new=fact.outcomes[1 - value],
-        chat=fr.chat,
-        segments=a.segments,
-        cf_ids=a.cf_ids,
+        **rendered_fields(tok, a, fact.outcomes, fr.chat),
         meta={"length": length, "profile_lines": len(profile) + 1, "log_lines": len(log)},
     )

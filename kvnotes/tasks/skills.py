@@ -15,7 +15,7 @@ from typing import Any
 from kvnotes.tasks import filler
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.templates import Suite, bank
-from kvnotes.tasks.tokens import Frame, Piece, aggregator_positions, assemble, decision_ids
+from kvnotes.tasks.tokens import Frame, Piece, assemble, rendered_fields
 
 INTRO = "You are an operations agent. Apply the skill that matches the request."
 TASK = "Reply with the name of the tool only."
@@ -123,18 +123,8 @@ def build_skill_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int,
         field_name="question_value",
         old_value=target.values[value],
         new_value=target.values[1 - value],
-        old_text=a.old_text,
-        new_text=a.new_text,
-        old_ids=a.old_ids,
-        new_ids=a.new_ids,
-        field_span=a.span,
-        aggregators=aggregator_positions(tok, a.old_ids, a.span[1]),
-        outcomes=target.outcomes,
-        decision_ids=decision_ids(tok, target.outcomes, a.old_text),
         correct_old=target.outcomes[value],
         correct_new=target.outcomes[1 - value],
-        chat=fr.chat,
-        segments=a.segments,
-        cf_ids=a.cf_ids,
+        **rendered_fields(tok, a, target.outcomes, fr.chat),
         meta={"skills": [s.name for s in chosen], "target_skill": target.name, "length": length},
     )

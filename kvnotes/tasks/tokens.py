@@ -221,3 +221,20 @@ def aggregator_positions(tok: Any, ids: Sequence[int], start: int) -> tuple[int,
         if i in special or is_aggregator(texts[i]):
             out.append(p)
     return tuple(out)
+
+
+def rendered_fields(tok: Any, a: Assembled, outcomes: Sequence[str], chat: bool) -> dict[str, Any]:
+    """The TaskItem fields every suite derives the same way from an assembled prompt pair."""
+    return {
+        "old_text": a.old_text,
+        "new_text": a.new_text,
+        "old_ids": a.old_ids,
+        "new_ids": a.new_ids,
+        "field_span": a.span,
+        "aggregators": aggregator_positions(tok, a.old_ids, a.span[1]),
+        "outcomes": tuple(outcomes),
+        "decision_ids": decision_ids(tok, outcomes, a.old_text),
+        "chat": chat,
+        "segments": a.segments,
+        "cf_ids": a.cf_ids,
+    }
