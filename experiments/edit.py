@@ -6,7 +6,9 @@ prompt, timed in the same loop): P(correct) (argmax among outcomes equals the or
 recovery (score relative to stale 0 and oracle 1), recompute fraction, and time ratio (edit
 time / full re-prefill time, measured side by side per item). Items are usable for recovery when
 |score_oracle - score_stale| >= margin, for P(correct) when in addition stale and oracle argmax
-are both correct. Paper: erratum 1.00, field-only 0.00 without CoT, CacheBlend@15 % 0.13.
+are both correct. Decisions are calibrated when the item has a content-free prompt (the field set
+to N/A): each state's outcome logits minus the content-free ones, the same offset for every state
+of the item (`pick_raw` keeps the uncalibrated argmax). Paper: erratum 1.00, field-only 0.00 without CoT, CacheBlend@15 % 0.13.
 
     python -m experiments.run +experiment=edit model=qwen-1.5b task=gated
 """
@@ -22,6 +24,7 @@ from experiments.registry import register
 from kvnotes.edit import ERRATA, Editor, EditState
 from kvnotes.metrics import recovery
 from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.scoring import decide, outcome_logits
 from probes._common import ci_dict
 
 if TYPE_CHECKING:
@@ -80,8 +83,9 @@ class WordingConfig:
             raise ValueError(f"unknown wordings {bad}; valid: {', '.join(ERRATA)}")
 
 
-def _pick(item: TaskItem, logits: Any) -> str:
-    return item.outcomes[int(logits[list(item.decision_ids)].argmax())]
+def _pick(item: TaskItem, logits: Any, cf: Any = None) -> str:
+    """The chosen outcome; calibrated against the content-free logits `cf` when given."""
+    return item.outcomes[decide(outcome_logits(item, logits), None if cf is None else outcome_logits(item, cf))]
 
 
 def _score(item: TaskItem, logits: Any) -> float:
@@ -90,22 +94,27 @@ def _score(item: TaskItem, logits: Any) -> float:
 
 
 def state_records(item: TaskItem, oracle: EditState, stale: EditState, states: Sequence[EditState],
-                  margin: float, extra: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """One record per state with P(correct), recovery, cost; usability flags of the item."""
+                  margin: float, extra: Sequence[Mapping[str, Any]] | None = None,
+                  cf: Any = None) -> list[dict[str, Any]]:
+    """One record per state with P(correct), recovery, cost; usability flags of the item.
+
+    `cf`: the content-free prompt's decision logits; when given, every pick is calibrated by them.
+    """
     s_old, s_new = _score(item, stale.logits), _score(item, oracle.logits)
     usable_rec = abs(s_new - s_old) >= margin
-    usable_p = usable_rec and _pick(item, stale.logits) == item.correct_old and _pick(item, oracle.logits) == item.correct_new
+    old_pick, new_pick = _pick(item, stale.logits, cf), _pick(item, oracle.logits, cf)
+    usable_p = usable_rec and old_pick == item.correct_old and new_pick == item.correct_new
     out = []
     for i, st in enumerate([stale, oracle, *states]):
-        s = _score(item, st.logits)
+        s, pick = _score(item, st.logits), _pick(item, st.logits, cf)
         out.append({
             "item_id": item.item_id, "domain": item.domain, "template_id": item.template_id,
             "n_tokens": item.n_tokens, "strategy": st.strategy, "margin": margin,
             "usable_recovery": usable_rec, "usable_p_correct": usable_p,
             "score": s, "score_stale": s_old, "score_oracle": s_new,
             "recovery": float(recovery(s, s_old, s_new)),
-            "pick": _pick(item, st.logits), "oracle_pick": _pick(item, oracle.logits),
-            "correct": _pick(item, st.logits) == _pick(item, oracle.logits),
+            "pick": pick, "oracle_pick": new_pick, "correct": pick == new_pick,
+            "pick_raw": _pick(item, st.logits), "calibrated": cf is not None,
             "recomputed": st.recomputed, "recompute_fraction": st.recompute_fraction,
             "seconds": st.seconds, "oracle_seconds": oracle.seconds,
             "time_ratio": st.seconds / oracle.seconds,
@@ -119,14 +128,14 @@ def _margin(ctx: Context, margin: float | None) -> float:
 
 
 def _with_cot(item: TaskItem, ed: Editor, oracle: EditState, stale: EditState, states: list[EditState],
-              cfg: EditConfig, margin: float) -> list[dict[str, Any]]:
+              cfg: EditConfig, margin: float, cf: Any = None) -> list[dict[str, Any]]:
     """Records of the CoT reads: each state, stale and oracle all decided after a reasoning."""
     def cot(st: EditState) -> EditState:
         logits, _ = ed.cot(st, cfg.cot_tokens)
         return dataclasses.replace(st, strategy=f"{st.strategy}+cot", logits=logits)
 
     chosen = [st for st in states if st.strategy.split("@")[0] in cfg.cot_strategies]
-    rows = state_records(item, cot(oracle), cot(stale), [cot(st) for st in chosen], margin)
+    rows = state_records(item, cot(oracle), cot(stale), [cot(st) for st in chosen], margin, cf=cf)
     return [r | {"cot": True} for r in rows]
 
 
@@ -142,9 +151,10 @@ def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[d
         ed = Editor(ctx.model, item)
         oracle, stale = ed.full_prefill(), ed.stale_state()
         states, extra = build(ed)
-        rows = state_records(item, oracle, stale, states, m, extra)
+        cf = ed.content_free_logits()
+        rows = state_records(item, oracle, stale, states, m, extra, cf=cf)
         if cot is not None and cot.cot:
-            rows += _with_cot(item, ed, oracle, stale, states, cot, m)
+            rows += _with_cot(item, ed, oracle, stale, states, cot, m, cf)
         ctx.write(key, rows)
 
 

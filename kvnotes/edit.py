@@ -88,12 +88,20 @@ class Editor:
         self.tail = torch.tensor([item.old_ids[-1:]])
         self.stale = stale if stale is not None else prefill(model, item.old_ids[:-1]).cache
         self._oracle: KVCache | None = None
+        self._by_effect: list[int] | None = None
 
     @property
     def oracle_cache(self) -> KVCache:
         if self._oracle is None:
             self._oracle = prefill(self.model, self.item.new_ids[:-1]).cache
         return self._oracle
+
+    def content_free_logits(self) -> Tensor | None:
+        """Decision logits of the content-free prompt (field set to N/A), for calibrated picks."""
+        if self.item.cf_ids is None:
+            return None
+        s = self.item.field_span[0]
+        return extend(self.model, self.stale.slice(0, s), self.item.cf_ids[s:]).logits[0, -1]
 
     def _read(self, cache: KVCache, recomputed: int, ids: Sequence[int]) -> Built:
         return extend(self.model, cache, self.tail).logits[0, -1], recomputed, tuple(ids), cache
@@ -189,7 +197,12 @@ class Editor:
         return [down[i] for i in torch.argsort(score[down], descending=True, stable=True).tolist()]
 
     def rank_by_effect(self, batch_size: int = 128) -> list[int]:
-        """Downstream positions by their single-position patching effect (needs the oracle)."""
+        """Downstream positions by their single-position patching effect (needs the oracle; memoised)."""
+        if self._by_effect is None:
+            self._by_effect = self._rank_by_effect(batch_size)
+        return list(self._by_effect)
+
+    def _rank_by_effect(self, batch_size: int) -> list[int]:
         down = list(range(self.item.field_span[1], self.stale.seq_len))
         logits = read_variants(self.model, self.stale, self.oracle_cache, [[p] for p in down], self.tail,
                                batch_size=batch_size)[:, -1]
