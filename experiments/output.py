@@ -196,3 +196,55 @@ class RunDir:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(summary))
+
+
+HEADLINE = ("n_items", "n_usable", "n_skipped", "n_usable_recovery", "n_usable_p_correct", "margin")
+
+
+def _ci_rows(node: Any, path: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    if isinstance(node, Mapping):
+        if "mean" in node and "n" in node:
+            yield path, node
+            return
+        for key, sub in node.items():
+            yield from _ci_rows(sub, f"{path}.{key}" if path else str(key))
+
+
+def _cell(r: Mapping[str, Any]) -> str:
+    def num(x: Any) -> str:
+        return f"{x:.3f}" if isinstance(x, int | float) and x == x else "nan"
+
+    return f"{num(r['mean'])} [{num(r.get('ci_lo'))}, {num(r.get('ci_hi'))}] n={r['n']}"
+
+
+def summary_table(summary: Mapping[str, Any], max_rows: int = 40) -> str:
+    """A short plain-text table of a summary: the item counts, then every mean with its CI and n.
+
+    Metrics that repeat under several groups (p_correct, recovery, ... per strategy) become one
+    row per group with a column per metric; lists (per-layer curves) are left to summary.json.
+    """
+    title = " ".join(str(summary[k]) for k in ("kind", "name", "model") if k in summary)
+    counts = "  ".join(f"{k}={summary[k]}" for k in HEADLINE if k in summary)
+    rows = list(_ci_rows({k: v for k, v in summary.items() if k not in HEADLINE}, ""))
+    lines = [title, counts] if counts else [title]
+    groups: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for path, r in rows:
+        head, _, leaf = path.rpartition(".")
+        groups.setdefault(head, {})[leaf] = r
+    leaves = [tuple(g) for g in groups.values()]
+    wide = len(groups) > 1 and all(len(g) > 1 for g in leaves) and len(set(leaves)) == 1
+    if not rows:
+        scalars = [f"{k}: {v}" for k, v in summary.items()
+                   if isinstance(v, int | float | str | bool) and k not in ("kind", "name", "model", "finished")]
+        return "\n".join(lines + scalars)
+    if wide:
+        cols = list(leaves[0])
+        table = [["", *cols]] + [[head, *(_cell(g[c]) for c in cols)] for head, g in groups.items()]
+    else:
+        table = [["metric", "mean [95% CI] n"]] + [[p, _cell(r)] for p, r in rows]
+    shown = table[: max_rows + 1]
+    widths = [max(len(row[i]) for row in shown) for i in range(len(shown[0]))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in shown]
+    if len(table) > len(shown):
+        lines.append(f"... {len(table) - len(shown)} more rows in summary.json")
+    return "\n".join(lines)

@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.config import ConfigError, Job, RunConfig, register_schemas, validate
-from experiments.output import RecordWriter, RunDir, config_hash, now_iso
+from experiments.output import RecordWriter, RunDir, config_hash, now_iso, read_json, summary_table
 from kvnotes import provenance
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ def run_experiment(ctx: Context) -> None:
 
 def run(cfg: DictConfig) -> Path:
     """Validate, open/resume the run directory, run the job, write records + summary."""
+    discover()  # a launcher's worker process (joblib, submitit) starts with an empty registry
     job = validate(cfg)
     from kvnotes.models import resolve_device
 
@@ -206,7 +207,7 @@ def main(cfg: DictConfig) -> None:
         print("interrupted: finished units are on disk; rerun the same command to resume",
               file=sys.stderr)
         sys.exit(130)
-    print((path / "summary.json").read_text())
+    print(summary_table(read_json(path / "summary.json")))
     print(f"run dir: {path}")
 
 

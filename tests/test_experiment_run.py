@@ -262,3 +262,32 @@ def test_selfcheck_on_real_llama(tmp_path):
     assert summary["exact"]["pass"] is True
     assert summary["seams"]["0"]["cosine"] > 0.9
     assert summary["seams"]["2"]["cosine"] >= summary["seams"]["0"]["cosine"] - 0.01
+
+
+# --- multirun launchers -----------------------------------------------------------------------
+
+
+def test_two_job_joblib_multirun_writes_one_run_dir_per_job(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "experiments.run", "-m", "+experiment=selfcheck", *TINY, *SMALL,
+           "seed=0,1", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", f"results_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
+    runs = sorted((tmp_path / "selfcheck" / "tiny-llama").iterdir())
+    assert len(runs) == 2
+    metas = [read(r / "meta.json") for r in runs]
+    assert sorted(m["seed"] for m in metas) == [0, 1]
+    assert all(m["status"] == "completed" for m in metas)
+    assert all((r / "summary.json").exists() for r in runs)
+
+
+def test_slurm_launcher_config_composes_to_submitit(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "experiments.run", "+experiment=selfcheck", *TINY,
+           "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "--cfg", "hydra", "-p", "hydra.launcher"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    launcher = OmegaConf.create(proc.stdout)
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 240
