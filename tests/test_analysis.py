@@ -447,3 +447,21 @@ def test_library_never_imports_plotting():
     offenders = [str(p) for p in root.rglob("*.py")
                  if re.search(r"^\s*(import|from)\s+(matplotlib|analysis)\b", p.read_text(), re.M)]
     assert not offenders, f"plotting lives only in analysis/: {offenders}"
+
+
+def test_reference_copy_takes_the_four_files_of_completed_runs_only(tmp_path):
+    from analysis import reference
+
+    run = tmp_path / "runs" / "edit" / "llama" / "2026-01-01_00-00-00"
+    run.mkdir(parents=True)
+    for f in reference.FILES:
+        (run / f).write_text("{}")
+    (run / "meta.json").write_text(json.dumps({"status": "completed"}))
+    (run / "store").mkdir()
+    dest = reference.copy_run(run, tmp_path / "ref")
+    assert dest == tmp_path / "ref" / "edit" / "llama" / "2026-01-01_00-00-00"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(reference.FILES)
+    (run / "meta.json").write_text(json.dumps({"status": "interrupted"}))
+    with pytest.raises(ValueError, match="only completed runs"):
+        reference.copy_run(run, tmp_path / "ref2")
+    assert reference.main([str(tmp_path / "nowhere"), "--to", str(tmp_path / "ref3")]) == 2
