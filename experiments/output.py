@@ -208,20 +208,26 @@ def _ci_rows(node: Any, path: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
             return
         for key, sub in node.items():
             yield from _ci_rows(sub, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list) and node and all(isinstance(x, Mapping) and "mean" in x for x in node):
+        for x in node:  # a curve: label each point by its first non-statistic key (k, layer, band)
+            label = next((f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in x.items() if k not in ("mean", "ci_lo", "ci_hi", "n")), "")
+            yield f"{path}[{label}]", x
 
 
 def _cell(r: Mapping[str, Any]) -> str:
     def num(x: Any) -> str:
         return f"{x:.3f}" if isinstance(x, int | float) and x == x else "nan"
 
-    return f"{num(r['mean'])} [{num(r.get('ci_lo'))}, {num(r.get('ci_hi'))}] n={r['n']}"
+    lo, hi = r.get("ci_lo", r.get("lo")), r.get("ci_hi", r.get("hi"))  # compose jobs write lo/hi
+    return f"{num(r['mean'])} [{num(lo)}, {num(hi)}] n={r['n']}"
 
 
-def summary_table(summary: Mapping[str, Any], max_rows: int = 40) -> str:
+def summary_table(summary: Mapping[str, Any], max_rows: int = 60) -> str:
     """A short plain-text table of a summary: the item counts, then every mean with its CI and n.
 
     Metrics that repeat under several groups (p_correct, recovery, ... per strategy) become one
-    row per group with a column per metric; lists (per-layer curves) are left to summary.json.
+    row per group with a column per metric; a curve (a list of points) gives a row per point.
     """
     title = " ".join(str(summary[k]) for k in ("kind", "name", "model") if k in summary)
     counts = "  ".join(f"{k}={summary[k]}" for k in HEADLINE if k in summary)

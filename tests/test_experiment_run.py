@@ -291,3 +291,19 @@ def test_slurm_launcher_config_composes_to_submitit(tmp_path):
     launcher = OmegaConf.create(proc.stdout)
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert launcher.partition == "gpu" and launcher.gpus_per_node == 1 and launcher.timeout_min == 240
+
+
+def test_summary_table_pivots_repeated_metrics_and_lists_curves():
+    from experiments.output import summary_table
+
+    ci = {"mean": 0.5, "ci_lo": 0.25, "ci_hi": 0.75, "n": 8}
+    wide = summary_table({"kind": "experiment", "name": "edit", "model": "m", "n_items": 8,
+                          "strategies": {"erratum": {"p_correct": ci, "recovery": ci},
+                                         "field_only": {"p_correct": ci, "recovery": ci}}})
+    lines = wide.splitlines()
+    assert lines[0] == "experiment edit m" and lines[1] == "n_items=8"
+    assert lines[2].split() == ["p_correct", "recovery"]
+    assert lines[3].startswith("strategies.erratum") and lines[3].count("0.500 [0.250, 0.750] n=8") == 2
+    long = summary_table({"recovery": {"field_only": ci}, "curve": [{"k": 20.0, **ci}],
+                          "seams": {"0": {"cosine": {"mean": 0.9, "lo": 0.8, "hi": 1.0, "n": 3}}}})
+    assert "recovery.field_only" in long and "curve[k=20]" in long and "0.900 [0.800, 1.000] n=3" in long
