@@ -29,7 +29,7 @@ from experiments.output import RecordWriter, RunDir, config_hash, now_iso, read_
 from kvnotes import provenance
 
 log = logging.getLogger(__name__)
-INFRA = frozenset({"run", "config", "output", "registry"})  # experiments/ modules that register nothing
+INFRA = frozenset({"run", "config", "output", "registry", "summarize"})  # experiments/ modules that register nothing
 RETURNED = "returned"  # unit key of the records an experiment returns
 
 
@@ -153,6 +153,15 @@ def run_experiment(ctx: Context) -> None:
         ctx.write(RETURNED, returned)
 
 
+def build_summary(job: Job, records: Any) -> dict[str, Any]:
+    """summary.json's content from a run's records (a DataFrame): counts, then the job's own."""
+    summary: dict[str, Any] = {"kind": job.kind, "name": job.name, "model": job.cfg.model.name,
+                               "n_records": len(records)}
+    if job.entry.summarize is not None:
+        summary |= job.entry.summarize(records.to_dict("records"), job.params)
+    return summary
+
+
 def run(cfg: DictConfig) -> Path:
     """Validate, open/resume the run directory, run the job, write records + summary."""
     discover()  # a launcher's worker process (joblib, submitit) starts with an empty registry
@@ -179,11 +188,7 @@ def run(cfg: DictConfig) -> Path:
         ctx = Context(job, model, RecordWriter(rd.path), rd.path)
         (run_probe if job.kind == "probe" else run_experiment)(ctx)
         records = ctx.writer.finalize()
-        summary = {"n_records": len(records)}
-        if job.entry.summarize is not None:
-            summary |= job.entry.summarize(records.to_dict("records"), job.params)
-        rd.write_summary({"kind": job.kind, "name": job.name, "model": job.cfg.model.name,
-                          "finished": now_iso(), **summary})
+        rd.write_summary(build_summary(job, records) | {"finished": now_iso()})
     except KeyboardInterrupt:
         rd.set_status("interrupted")
         raise

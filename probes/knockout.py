@@ -151,7 +151,8 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: KnockoutConfig) -> dict
     for cond in ("top", "field", "sink", "random"):
         out[cond] = {"reversion": _ci(records, cond, "reversion"), "reverted": _ci(records, cond, "reverted")}
     dose = [r | {"recovery": r["reversion"]} for r in records if r.get("condition") == "dose"]
-    out["dose"] = curve(dose, "dose", "fraction")
+    out["dose"] = curve(dose, "dose", "fraction")  # mean reversion: heavy-tailed, read with dose_reverted
+    out["dose_reverted"] = curve([r | {"recovery": float(r["reverted"])} for r in dose], "dose", "fraction")
     band = [r | {"recovery": float(r["reverted"])} for r in records if r.get("condition") == "band"]
     out["bands_reverted"] = curve(band, "band", "band")
     out["heads_top"] = _ci(records, "heads_top", "recovery")

@@ -307,3 +307,16 @@ def test_summary_table_pivots_repeated_metrics_and_lists_curves():
     long = summary_table({"recovery": {"field_only": ci}, "curve": [{"k": 20.0, **ci}],
                           "seams": {"0": {"cosine": {"mean": 0.9, "lo": 0.8, "hi": 1.0, "n": 3}}}})
     assert "recovery.field_only" in long and "curve[k=20]" in long and "0.900 [0.800, 1.000] n=3" in long
+
+
+def test_resummarize_rebuilds_the_summary_from_records(tmp_path):
+    from experiments import summarize
+
+    run_dir = runner.run(selfcheck_cfg(tmp_path))
+    before = read(run_dir / "summary.json")
+    (run_dir / "summary.json").unlink()
+    after = summarize.resummarize(run_dir)
+    assert read(run_dir / "summary.json") == after and after["resummarized"]
+    strip = {"finished", "resummarized"}
+    assert {k: v for k, v in after.items() if k not in strip} == {k: v for k, v in before.items() if k not in strip}
+    assert summarize.main([str(tmp_path / "nowhere")]) == 2
