@@ -5,7 +5,8 @@ under results/reference/). Its config.yaml and meta.json give the columns that s
 record came from: job (probe or experiment name), job_kind, model, task, seed, commit, margin,
 run_id. Folders without config or meta (a bare copy) fall back on the path. Runs that did not
 complete are left out unless asked for; `latest` keeps the newest run per (job, model, task,
-seed), so a rerun replaces an older one instead of being pooled with it.
+seed, run_variant), so a rerun replaces an older one instead of being pooled with it; run_variant
+keeps a CoT-only edit run (`experiment.cot_only=true`, strategies `*+cot`) beside the plain one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import yaml
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "seed", "commit",
-               "dirty", "status", "started", "margin", "model_margin", "dtype", "device", "weights", "run_path")
-KEY = ("job", "model", "task", "seed")  # runs that answer the same question
+               "dirty", "status", "started", "run_variant", "margin", "model_margin", "dtype", "device", "weights", "run_path")
+KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the same question
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
 NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent"})  # ignore cfg.task
 MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks"})
@@ -65,6 +66,12 @@ def _margin(cfg: dict[str, Any]) -> float | None:
     return None
 
 
+def _variant(job: str | None, cfg: dict[str, Any]) -> str:
+    """What sets a run apart from others of its job, model, task and seed: "cot" for a CoT-only edit run."""
+    exp = cfg.get("experiment") if isinstance(cfg.get("experiment"), dict) else {}
+    return "cot" if job == "edit" and exp.get("cot_only") else ""
+
+
 def run_info(run_dir: str | Path, results: str | Path | None = None) -> dict[str, Any]:
     """The run columns of one run folder (config.yaml and meta.json; the path where they lack)."""
     path = Path(run_dir)
@@ -102,6 +109,7 @@ def run_info(run_dir: str | Path, results: str | Path | None = None) -> dict[str
         "dirty": git.get("dirty"),
         "status": meta.get("status", "completed" if summary else "unknown"),
         "started": meta.get("start_time") or path.name,
+        "run_variant": _variant(job, cfg),
         "margin": _margin(cfg) if job in MARGIN_JOBS else None,
         "model_margin": model_cfg.get("margin") if job in MARGIN_JOBS else None,
         "dtype": meta.get("dtype"),

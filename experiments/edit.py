@@ -46,6 +46,7 @@ class EditConfig:
     cot: bool = False  # also read each of `cot_strategies` after a greedy reasoning
     cot_tokens: int = 48
     cot_strategies: list[str] = field(default_factory=lambda: ["field_only", "erratum"])
+    cot_only: bool = False  # record only the CoT reads (a run beside a plain edit run; implies cot)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies + self.cot_strategies if s not in STRATEGIES]
@@ -153,7 +154,8 @@ def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[d
         states, extra = build(ed)
         cf = ed.content_free_logits()
         rows = state_records(item, oracle, stale, states, m, extra, cf=cf)
-        if cot is not None and cot.cot:
+        if cot is not None and (cot.cot or cot.cot_only):
+            rows = [] if cot.cot_only else rows
             rows += _with_cot(item, ed, oracle, stale, states, cot, m, cf)
         ctx.write(key, rows)
 

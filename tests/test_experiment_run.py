@@ -320,3 +320,20 @@ def test_resummarize_rebuilds_the_summary_from_records(tmp_path):
     strip = {"finished", "resummarized"}
     assert {k: v for k, v in after.items() if k not in strip} == {k: v for k, v in before.items() if k not in strip}
     assert summarize.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_edit_experiment_end_to_end_and_cot_only(tmp_path):
+    base = ["+experiment=edit", f"results_dir={tmp_path}", *TINY, "model.margin=0", "task=gated",
+            "task.n_items=2", "task.length=700", "progress=false"]
+    run_dir = runner.run(compose("config", overrides=base))
+    rec = pd.read_parquet(run_dir / "records.parquet")
+    assert rec["calibrated"].all() and {"pick", "pick_raw", "oracle_pick"} <= set(rec.columns)
+    full = rec[rec["strategy"] == "full_downstream"]
+    assert full["correct"].all() and (full["recovery"] - 1).abs().max() < 1e-4
+    summary = read(run_dir / "summary.json")
+    assert summary["n_items"] == 2 and {"p_correct", "recovery", "recompute_fraction", "time_ratio"} <= set(
+        summary["strategies"]["erratum"])
+    cot = runner.run(compose("config", overrides=[*base, "experiment.cot_only=true", "experiment.cot_tokens=2",
+                                                  "experiment.strategies=[field_only,erratum]"]))
+    strategies = set(pd.read_parquet(cot / "records.parquet")["strategy"])
+    assert strategies == {"stale+cot", "oracle+cot", "field_only+cot", "erratum+cot"}
