@@ -1,8 +1,9 @@
 """Knockout dose-response: does the decision token read the notes?
 
-Probe `knockout`, per model. Left: reversion (1 = the decision falls back to the old value's)
-when the decision token's attention to the most-attended fraction of downstream positions is
-masked in every layer, with the same-size random set and the field as controls. Middle: the
+Probe `knockout`, per model. Left: the share of items whose decision reverts to the old value's
+(reversion > 0.5; the mean reversion itself is heavy-tailed) when the decision token's attention
+to the most-attended fraction of downstream positions is masked in every layer, with the
+same-size random set and the field as controls. Middle: the
 share of items reverted (reversion > 0.5) when the top 25 % are masked in one third of the
 layers, against the paper (early 0.00, mid 0.25, late 0.33, all 1.00). Right: where the decision
 token's attention goes, and recovery from patching the top read heads vs random heads (paper
@@ -41,11 +42,11 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         d = df[df["model"] == m]
         ax, bx, cx = axes[3 * i: 3 * i + 3]
         col = style.colour(m)
-        t = ci_table(d[d["condition"] == "dose"], "reversion", ["fraction"])
+        t = ci_table(d[d["condition"] == "dose"], "reverted", ["fraction"])
         style.band(ax, t, "fraction", f"top-attended masked ({style.n_range(t)})", col)
         top_frac = float(job_params(frame, str(d["run_id"].iloc[0])).get("top_fraction", 0.25))
         for cond, mk, lab in (("random", "s", "random set of the same size"), ("field", "D", "field (x: 0)")):
-            c = ci_table(d[d["condition"] == cond], "reversion", ["model"])
+            c = ci_table(d[d["condition"] == cond], "reverted", ["model"])
             if len(c):
                 x = top_frac if cond == "random" else 0.0
                 style.errorbars(ax, [x], c, "#7f7f7f" if cond == "random" else "#2ca02c",
@@ -53,7 +54,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         ax.axhline(0, color="k", lw=0.6)
         ax.axhline(1, color="k", lw=0.4, ls=":")
         ax.set_xlabel("fraction of downstream positions masked (most attended first)")
-        ax.set_ylabel("reversion (1 = back to stale)")
+        ax.set_ylabel("share of items reverted")
         ax.set_title(f"{m}: dose-response")
         style.legend(ax, loc="best")
         b = ci_table(d[d["condition"] == "band"], "reverted", ["band"]).set_index("band").reindex(BANDS).reset_index()
