@@ -203,11 +203,19 @@ class Editor:
         return list(self._by_effect)
 
     def _rank_by_effect(self, batch_size: int) -> list[int]:
+        """Most recovering first: the score moved toward the oracle's by pasting that one position.
+
+        The stale and oracle reads ride in the same batch (variants [] and all positions), so the
+        direction is the item's own: effect = (score_p - score_stale) * sign(score_oracle - score_stale).
+        """
         down = list(range(self.item.field_span[1], self.stale.seq_len))
-        logits = read_variants(self.model, self.stale, self.oracle_cache, [[p] for p in down], self.tail,
-                               batch_size=batch_size)[:, -1]
+        variants = [[], list(range(self.stale.seq_len)), *[[p] for p in down]]
+        logits = read_variants(self.model, self.stale, self.oracle_cache, variants, self.tail,
+                               batch_size=batch_size)[:, -1].float()
         a, b = self.item.score_ids
-        effect = (logits[:, a] - logits[:, b]).abs()
+        score = logits[:, a] - logits[:, b]
+        stale, oracle = score[0], score[1]
+        effect = (score[2:] - stale) * (1.0 if oracle >= stale else -1.0)
         return [down[i] for i in torch.argsort(effect, descending=True, stable=True).tolist()]
 
     def cacheblend(self, fraction: float = 0.15, check_layer: int = 1) -> EditState:

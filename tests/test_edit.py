@@ -5,6 +5,7 @@ import torch
 from tolerances import ATOL_FP32
 
 from kvnotes import run, tasks
+from kvnotes.cache import patch
 from kvnotes.edit import ERRATA, Editor, erratum_position
 from kvnotes.models.tiny import tiny_model
 
@@ -92,3 +93,20 @@ def test_unknown_wording_lists_valid():
     with pytest.raises(KeyError, match="valid: explicit"):
         Editor(m, item).erratum("polite")
     assert torch.is_tensor(Editor(m, item).stale_state().logits)
+
+
+def test_rank_by_effect_puts_the_most_recovering_position_first(setup):
+    m, item, ed = setup
+    order = ed.rank_by_effect()
+    a, b = item.score_ids
+
+    def score(cache):
+        logits = run.extend(m, cache, ed.tail).logits[0, -1]
+        return float(logits[a] - logits[b])
+
+    s_stale, s_oracle = score(ed.stale), score(ed.oracle_cache)
+    sign = 1.0 if s_oracle >= s_stale else -1.0
+    effect = {p: (score(patch(ed.stale, ed.oracle_cache, [p])) - s_stale) * sign
+              for p in (order[0], order[1], order[-1])}
+    assert effect[order[0]] >= effect[order[1]] - 1e-5 and effect[order[0]] >= effect[order[-1]] - 1e-5
+    assert effect[order[0]] > effect[order[-1]]
