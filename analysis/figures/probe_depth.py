@@ -58,7 +58,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_xlabel("relative depth (layer / (L - 1))")
         ax.set_ylabel("grouped-CV accuracy")
         if pd.isna(w):
-            ax.text(0.02, 0.33, f"accuracy never reaches {thr:g}: no write depth", fontsize=7)
+            ax.text(0.02, 0.8, f"accuracy never reaches {thr:g}:\nno write depth", fontsize=7, transform=ax.transAxes)
         style.legend(ax, loc="lower right")
     caption = ("Accuracy of a logistic regression reading the conclusion at a downstream aggregator token "
                "(folds grouped by template); band: 95 % Wilson interval over n prompts, and the write-depth "
