@@ -165,7 +165,7 @@ def run(ctx: Context) -> None:
 
     cfg: AgentConfig = ctx.params
     store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"
-    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    chat = ctx.chat
     scs = build_scenarios(ctx.model.tokenizer, chat=chat, n=cfg.n_scenarios, seed=ctx.cfg.seed,
                           n_skills=cfg.n_skills, n_turns=cfg.n_turns, block_length=cfg.block_length)
     units = {f"scenario-{sc.scenario_id}": sc for sc in scs}

@@ -26,7 +26,8 @@ import torch
 
 from experiments.config import ConfigError
 from experiments.registry import register
-from kvnotes.metrics import bootstrap_ci, kl_divergence, logit_cosine, top1_agree
+from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree
+from probes._common import ci_dict
 
 if TYPE_CHECKING:
     from experiments.run import Context
@@ -114,9 +115,8 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 def ci(values: Any, n_boot: int) -> dict[str, float | int]:
-    """mean, lo, hi, n of the finite values (95 % percentile bootstrap)."""
-    mean, lo, hi, n = bootstrap_ci(np.asarray(values, dtype=float), n_boot=n_boot)
-    return {"mean": mean, "lo": lo, "hi": hi, "n": n}
+    """mean, ci_lo, ci_hi, n of the finite values (95 % percentile bootstrap), as every summary."""
+    return ci_dict(np.asarray(values, dtype=float).ravel().tolist(), n_boot=n_boot)
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, decision_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -246,7 +246,7 @@ def run(ctx: Context) -> None:
 def fidelity_units(ctx: Context, cfg: ComposeConfig) -> None:
     from kvnotes.tasks import build_suite
 
-    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    chat = ctx.chat
     items = build_suite("skills", tokenizer=ctx.model.tokenizer, chat=chat, n_items=cfg.n_items,
                         length=cfg.length, seed=ctx.cfg.seed)
     units = {f"item-{it.item_id}": it for it in items}

@@ -295,7 +295,7 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
 def run(ctx: Context) -> None:
     cfg: ComposeScalingConfig = ctx.params
     store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"
-    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    chat = ctx.chat
     log.info("compose_scaling on %s, %s, %s threads", ctx.model.device, ctx.model.dtype,
              cfg.threads or torch.get_num_threads())
     units = {f"L-{n:06d}": n for n in sorted(set(cfg.lengths))}

@@ -203,7 +203,7 @@ def run_units(ctx: Context, cfg: MemoryConfig) -> None:
     from kvnotes import locomo
     from kvnotes.tasks import build_suite
 
-    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    chat = ctx.chat
     if cfg.n_items:
         items = build_suite("memory", tokenizer=ctx.model.tokenizer, chat=chat, n_items=cfg.n_items,
                             length=cfg.length, seed=ctx.cfg.seed)

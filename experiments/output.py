@@ -219,8 +219,7 @@ def _cell(r: Mapping[str, Any]) -> str:
     def num(x: Any) -> str:
         return f"{x:.3f}" if isinstance(x, int | float) and x == x else "nan"
 
-    lo, hi = r.get("ci_lo", r.get("lo")), r.get("ci_hi", r.get("hi"))  # compose jobs write lo/hi
-    return f"{num(r['mean'])} [{num(lo)}, {num(hi)}] n={r['n']}"
+    return f"{num(r['mean'])} [{num(r.get('ci_lo'))}, {num(r.get('ci_hi'))}] n={r['n']}"
 
 
 def summary_table(summary: Mapping[str, Any], max_rows: int = 60) -> str:

@@ -68,6 +68,11 @@ class Context:
     def params(self) -> Any:
         return self.job.params
 
+    @property
+    def chat(self) -> bool:
+        """Render prompts with the chat template: the config asks for it and the tokenizer has one."""
+        return use_chat(self.cfg, self.model)
+
     def pending(self, keys: Sequence[Any], desc: str = "units") -> Iterator[Any]:
         """The keys whose unit is not on disk yet, with a progress bar over all of them."""
         from tqdm.auto import tqdm
@@ -112,6 +117,10 @@ def load(cfg: RunConfig) -> Any:
     return model
 
 
+def use_chat(cfg: RunConfig, model: Any) -> bool:
+    return bool(cfg.model.chat and model.chat)
+
+
 def load_items(model: Any, cfg: RunConfig) -> list[Any]:
     """Task items for a probe from kvnotes.tasks, built for this model's tokenizer."""
     if importlib.util.find_spec("kvnotes.tasks") is None:
@@ -122,7 +131,7 @@ def load_items(model: Any, cfg: RunConfig) -> list[Any]:
 
     spec = dict(cfg.task)
     name = spec.pop("name", None)
-    chat = bool(cfg.model.chat and model.chat)
+    chat = use_chat(cfg, model)
     if spec.get("seed") is None:  # the run's seed draws the suite unless the task pins one
         spec["seed"] = cfg.seed
     return list(tasks.build_suite(name, tokenizer=model.tokenizer, chat=chat, **spec))

@@ -247,7 +247,7 @@ def run(ctx: Context) -> None:
     from kvnotes import tasks
 
     cfg: ServingConfig = ctx.params
-    chat = bool(ctx.cfg.model.chat and ctx.model.chat)
+    chat = ctx.chat
     items = tasks.build_suite(cfg.suite, ctx.model.tokenizer, chat=chat,
                               n_items=cfg.item_index + 1, length=cfg.length, seed=ctx.cfg.seed)
     prompts = Prompts(items[cfg.item_index], cfg.wording)

@@ -32,3 +32,12 @@ def llama():
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads; on a shared CPU the OpenMP barriers cost seconds."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -37,12 +37,8 @@ def hydra_ready():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared CPU the OpenMP barriers cost seconds."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_thread(one_thread):
+    """Every test here runs tiny models on one torch thread (conftest `one_thread`)."""
 
 
 @pytest.fixture(scope="module")

@@ -305,7 +305,7 @@ def test_summary_table_pivots_repeated_metrics_and_lists_curves():
     assert lines[2].split() == ["p_correct", "recovery"]
     assert lines[3].startswith("strategies.erratum") and lines[3].count("0.500 [0.250, 0.750] n=8") == 2
     long = summary_table({"recovery": {"field_only": ci}, "curve": [{"k": 20.0, **ci}],
-                          "seams": {"0": {"cosine": {"mean": 0.9, "lo": 0.8, "hi": 1.0, "n": 3}}}})
+                          "seams": {"0": {"cosine": {"mean": 0.9, "ci_lo": 0.8, "ci_hi": 1.0, "n": 3}}}})
     assert "recovery.field_only" in long and "curve[k=20]" in long and "0.900 [0.800, 1.000] n=3" in long
 
 

@@ -19,12 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads; on a shared CPU the OpenMP barriers cost seconds."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_thread(one_thread):
+    """Every test here runs tiny models on one torch thread (conftest `one_thread`)."""
 
 
 def _ids(n, seed, vocab=128):
