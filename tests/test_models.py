@@ -18,7 +18,7 @@ from kvnotes.models import (
 )
 from kvnotes.models.registry import ModelSpec, WheelPart
 from kvnotes.models.tiny import tiny_config, tiny_model
-from kvnotes.models.weights import convert, gguf_path
+from kvnotes.models.weights import cache_dir, convert, converted_dir, gguf_path, prepare_tokenizer
 
 
 def test_named_models_are_registered():
@@ -114,3 +114,17 @@ def test_real_llama_loads_with_provenance(llama):
     with torch.inference_mode():
         top = llama.hf(ids).logits[0, -1].argmax().item()
     assert "Paris" in llama.tokenizer.decode([top])
+
+
+@pytest.mark.real
+def test_tokenizer_only_fetch_reads_the_gguf_without_converting(tmp_path, llama):
+    """The tokenizer folder from the GGUF holds the same files as the full conversion's."""
+    spec = get_spec("llama")
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / str(spec.gguf_name)).symlink_to(gguf_path(spec, cache_dir()))
+    out = prepare_tokenizer("llama", tmp_path)
+    assert out == tmp_path / "tokenizers" / "llama" and not (tmp_path / "models").exists()
+    full = converted_dir(spec, cache_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (full / name).read_bytes(), name
+    assert prepare_tokenizer("llama", tmp_path) == out  # a second call reuses the folder

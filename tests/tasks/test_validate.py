@@ -14,10 +14,8 @@ from kvnotes.tasks.validate import record, usable_ids
 
 
 @pytest.fixture(scope="module")
-def items():
-    from kvnotes.models import load_tokenizer
-
-    return build_suite("gated", load_tokenizer("qwen"), n_items=4, length=300)
+def items(qwen_tok):
+    return build_suite("gated", qwen_tok, n_items=4, length=300)
 
 
 def _score(it, lo, ln, cf=None):
@@ -77,16 +75,13 @@ def test_summary_reports_margin_skips_and_domains(items):
     assert sel2.report()["n_used"] == 2 and sel2.skipped == {"small_delta": 2}
 
 
-def test_score_items_matches_a_plain_forward():
+def test_score_items_matches_a_plain_forward(qwen_tok):
     """Prefix-shared batched scoring == full forward of each prompt (tiny random qwen2)."""
     from kvnotes.models.tiny import tiny_model
 
     m = tiny_model("qwen2", seed=0)
-
-    from kvnotes.models import load_tokenizer
-
     # real prompts, ids folded into the tiny vocabulary
-    its = build_suite("gated", load_tokenizer("qwen"), n_items=2, length=300)
+    its = build_suite("gated", qwen_tok, n_items=2, length=300)
     V = m.hf.config.vocab_size
     from dataclasses import replace
 
