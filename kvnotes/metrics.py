@@ -6,7 +6,9 @@ recovery  = (score_state - score_stale) / (score_oracle - score_stale): 0 behave
             below `min_denominator`, so such items are counted as skipped, not averaged in.
 cosine    = <a, b> / (|a| |b|) over the full fp32 vocabulary of two next-token logit vectors.
 KL        = sum_v p_ref(v) (log p_ref(v) - log p_other(v)) with p = softmax(logits) in fp32.
-Aggregates carry n and a percentile bootstrap CI of the mean over the finite values.
+Aggregates carry n and a percentile bootstrap CI of the mean over the finite values;
+proportions (k successes of n) carry a Wilson score interval, which is never zero-width
+(30/30 gives [0.886, 1]) and keeps inside [0, 1].
 """
 
 from __future__ import annotations
@@ -91,6 +93,30 @@ def bootstrap_ci(
     alpha = (1.0 - ci) / 2.0
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     return (float(x.mean()), float(lo), float(hi), n)
+
+
+def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:
+    """(p, lo, hi): the proportion k/n with its Wilson score interval at level `ci`.
+
+    lo/hi = (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z the two-sided normal
+    quantile. n = 0 gives (nan, nan, nan).
+    """
+    if not 0.0 < ci < 1.0:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
+    if int(k) != k or int(n) != n or not 0 <= k <= n:
+        raise ValueError(f"wilson_ci needs integers 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return (float("nan"), float("nan"), float("nan"))
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + ci / 2.0))
+    p = k / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n)) / denom
+    lo = 0.0 if k == 0 else max(0.0, centre - half)  # exact ends (rounding gives 1 - 1e-16)
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return (float(p), float(lo), float(hi))
 
 
 def _cpu(v: object) -> object:

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvnotes.metrics import bootstrap_ci, kl_divergence, logit_cosine, recovery, score, top1_agree
+from kvnotes.metrics import (
+    bootstrap_ci,
+    kl_divergence,
+    logit_cosine,
+    recovery,
+    score,
+    top1_agree,
+    wilson_ci,
+)
 
 
 def test_score_is_new_minus_old_logit():
@@ -103,3 +111,24 @@ def test_bootstrap_ci_wider_at_higher_level():
     assert lo99 < lo90 and hi99 > hi90
     with pytest.raises(ValueError):
         bootstrap_ci(values, ci=1.5)
+
+
+def test_wilson_ci_known_values_and_never_zero_width():
+    p, lo, hi = wilson_ci(30, 30)
+    assert p == 1.0 and hi == 1.0 and lo == pytest.approx(0.8865, abs=1e-4)  # not [1, 1]
+    p, lo, hi = wilson_ci(0, 30)
+    assert p == 0.0 and lo == 0.0 and hi == pytest.approx(0.1135, abs=1e-4)
+    p, lo, hi = wilson_ci(7, 10)  # textbook: 0.397 .. 0.892
+    assert p == 0.7 and lo == pytest.approx(0.3968, abs=1e-3) and hi == pytest.approx(0.8922, abs=1e-3)
+    assert all(math.isnan(v) for v in wilson_ci(0, 0))
+
+
+def test_wilson_ci_narrows_with_n_and_rejects_bad_counts():
+    _, lo1, hi1 = wilson_ci(5, 10)
+    _, lo2, hi2 = wilson_ci(50, 100)
+    assert hi2 - lo2 < hi1 - lo1
+    _, lo90, hi90 = wilson_ci(5, 10, ci=0.90)
+    assert lo90 > lo1 and hi90 < hi1
+    for k, n in ((11, 10), (-1, 10), (1.5, 10)):
+        with pytest.raises(ValueError):
+            wilson_ci(k, n)
