@@ -4,10 +4,16 @@ RoPE rotates each 2-D frequency pair of a key at position p by the angle p*theta
 R(p + delta) = R(delta) R(p): a key cached at position p moves to p + delta with a single
 rotation by delta, whatever p was. cos/sin come from the model's rotary module (its inverse
 frequencies, llama3 or linear scaling, Gemma 3's per-layer-type bases) in fp32, with YaRN's
-`attention_scaling` divided out so the rotation stays a pure rotation.
+`attention_scaling` divided out so the rotation stays a pure rotation. That identity needs
+frequencies that do not depend on the sequence: rope types outside `STATIC_ROPE_TYPES` (dynamic
+NTK, longrope, anything newer) and partial rotary are refused with `UnsupportedRopeError`
+instead of being rotated wrongly (longrope switches to its long factors past
+original_max_position_embeddings, so a key moved there from a short block is off by ~1).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -15,6 +21,62 @@ from torch import Tensor
 
 from kvnotes.cache import KVCache
 from kvnotes.models.loading import LoadedModel
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed once: R(p+d) = R(d)R(p)
+_WHY = {
+    "dynamic": "dynamic NTK recomputes its frequencies from the sequence length",
+    "longrope": "longrope switches from its short to its long factors once a sequence passes "
+                "original_max_position_embeddings, so a key rotated by delta from a short block "
+                "does not match the key computed in the long context",
+}
+
+
+class UnsupportedRopeError(NotImplementedError):
+    """A rope variant whose cached keys cannot be moved exactly by one rotation."""
+
+
+def check_rope_type(rope_type: str, layer: int | None = None, partial_rotary_factor: float = 1.0) -> None:
+    """Refuse, with the reason, every rope variant a delta rotation would get silently wrong."""
+    where = "" if layer is None else f" (layer {layer})"
+    if rope_type not in STATIC_ROPE_TYPES:
+        why = _WHY.get(rope_type, "kvnotes has not verified that its frequencies are static")
+        raise UnsupportedRopeError(
+            f"rope_type {rope_type!r}{where} is not supported for re-rotating cached keys: {why}. "
+            f"Supported: {', '.join(STATIC_ROPE_TYPES)}; `python -m kvnotes.verify MODEL` checks a model."
+        )
+    if partial_rotary_factor != 1.0:
+        raise UnsupportedRopeError(
+            f"partial rotary (factor {partial_rotary_factor}){where} is not supported for "
+            "re-rotating cached keys"
+        )
+
+
+def rope_facts(model: LoadedModel) -> list[dict[str, Any]]:
+    """Per layer: the rope type and scaling, attention scaling, sliding window, and whether
+    kvnotes can re-rotate its keys (the facts a transplant relies on)."""
+    ad, hf = model.adapter, model.hf
+    cfg = model.config
+    out = []
+    for i, kind in enumerate(ad.layer_types(hf)):
+        params = ad.rope_parameters(hf, i)
+        rope_type = str(params.get("rope_type", "default"))
+        partial = float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0) or 1.0))
+        try:
+            check_rope_type(rope_type, i, partial)
+            why = ""
+        except UnsupportedRopeError as e:
+            why = str(e)
+        out.append({
+            "layer": i, "layer_type": kind, "rope_type": rope_type,
+            "rope_theta": params.get("rope_theta"), "factor": params.get("factor"),
+            "original_max_position_embeddings": params.get("original_max_position_embeddings"),
+            "partial_rotary_factor": partial,
+            "attention_scaling": ad._attention_scaling(hf, i),
+            "sliding_window": ad.sliding_window(hf, i),
+            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+            "supported": not why, "unsupported_reason": why,
+        })
+    return out
 
 
 def rotate_half(x: Tensor) -> Tensor:

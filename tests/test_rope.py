@@ -63,3 +63,66 @@ def test_yarn_scaling_is_divided_out():
     assert m.adapter._attention_scaling(m.hf, 0) != 1.0  # the config really exercises it
     cos, sin = m.adapter.rope_cos_sin(m.hf, torch.tensor([5]), 0)
     assert torch.allclose(cos**2 + sin**2, torch.ones_like(cos), atol=1e-6)
+
+
+# --- rope variants a delta rotation cannot move exactly: refused, never silently wrong --------
+
+
+def _longrope_model():
+    """A tiny llama with longrope: short factors up to 64 positions, long factors past them."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvnotes.models import wrap_model
+    from kvnotes.models.tiny import _COMMON, tiny_tokenizer
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8, "original_max_position_embeddings": 64, "factor": 4.0}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**_COMMON, rope_parameters=rope))
+    return wrap_model(hf, tiny_tokenizer(), name="tiny-longrope")
+
+
+def test_longrope_is_wrong_past_the_original_context_so_it_is_refused():
+    """Why it is refused: HF's own keys at positions past 64 use the long factors, so the key a
+    rotation by delta would produce (short factors) is far off; every kvnotes rotation refuses."""
+    import pytest
+
+    m = _longrope_model()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    at = _prefill_at(m, ids, 100)  # HF: positions 100..107 > 64, long factors
+    alone = run.prefill(m, ids).cache  # positions 0..7: short factors
+    rot = m.hf.model.rotary_emb  # its own cos/sin at delta=100 (long factors there)
+    cos, sin = rot(torch.zeros(1), torch.tensor([[100]]))
+    k = alone.keys[0].float()  # layer 0: keys carry no context, only the rotation differs
+    naive = k * cos[0] + rope.rotate_half(k) * sin[0]
+    rel = ((naive - at.keys[0]).abs().max() / at.keys[0].abs().max()).item()
+    assert rel > 0.1, rel  # the silent error the refusal prevents
+    with pytest.raises(rope.UnsupportedRopeError, match="longrope"):
+        rope.reposition(m, alone, 100)
+    with pytest.raises(rope.UnsupportedRopeError, match="longrope"):
+        m.adapter.rope_cos_sin(m.hf, torch.tensor([3]), 0)
+    facts = rope.rope_facts(m)
+    assert not facts[0]["supported"] and "longrope" in facts[0]["unsupported_reason"]
+
+
+def test_unknown_and_partial_rope_are_refused_and_static_ones_pass():
+    import pytest
+
+    for t in rope.STATIC_ROPE_TYPES:
+        rope.check_rope_type(t)
+    with pytest.raises(rope.UnsupportedRopeError, match="dynamic"):
+        rope.check_rope_type("dynamic", 3)
+    with pytest.raises(rope.UnsupportedRopeError, match="proportional"):
+        rope.check_rope_type("proportional")
+    with pytest.raises(rope.UnsupportedRopeError, match="partial"):
+        rope.check_rope_type("default", partial_rotary_factor=0.5)
+
+
+def test_rope_facts_of_every_tiny_family(tiny):
+    facts = rope.rope_facts(tiny)
+    assert len(facts) == tiny.n_layers and all(f["supported"] for f in facts)
+    windows = {f["sliding_window"] for f in facts}
+    if tiny.adapter.family in ("mistral", "gemma2", "gemma3"):
+        assert 24 in windows
+    else:
+        assert windows == {None}

@@ -90,12 +90,11 @@ class FamilyAdapter:
         YaRN and friends fold `attention_scaling` into cos and sin; a pure rotation must not carry
         it, so it is divided out here (rotating twice would otherwise scale keys twice).
         """
-        rope_type = self.rope_parameters(model, layer).get("rope_type", "default")
-        if rope_type == "dynamic":
-            raise NotImplementedError(
-                "dynamic NTK rope changes its frequencies with sequence length; a key cannot be "
-                "re-rotated by a delta exactly. Use a model with static rope scaling."
-            )
+        from kvnotes.rope import check_rope_type  # lazy: kvnotes.rope imports kvnotes.models
+
+        params = self.rope_parameters(model, layer)  # dynamic, longrope, partial: refused
+        check_rope_type(str(params.get("rope_type", "default")), layer,
+                        float(params.get("partial_rotary_factor", 1.0)))
         pos = positions.reshape(1, -1).to(torch.long)
         device = next(model.parameters()).device
         x = torch.zeros(1, dtype=torch.float32, device=device)
