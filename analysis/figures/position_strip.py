@@ -35,6 +35,18 @@ def _classes(pos: pd.DataFrame) -> pd.DataFrame:
     return pos.assign(position_class=cls)
 
 
+def strongest_apart(rec: np.ndarray, n: int, gap: int) -> list[int]:
+    """Positions of the `n` largest recoveries, taken greedily strongest first, each at least
+    `gap` positions from those already taken, so that their tick labels do not overprint."""
+    taken: list[int] = []
+    for p in np.argsort(-np.nan_to_num(rec, nan=-np.inf)):
+        if len(taken) == n:
+            break
+        if all(abs(int(p) - q) >= gap for q in taken):
+            taken.append(int(p))
+    return sorted(taken)
+
+
 def make(frame: pd.DataFrame, out: Path) -> list[Path]:
     df = select(frame, "patching", TASKS)
     if df.empty or not (df["condition"] == "tokens").any():
@@ -59,13 +71,13 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         im = ax.imshow(rec[None], aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax,
                        interpolation="nearest")
         ax.axvspan(span[0] - 0.5, span[1] - 0.5, fill=False, ec="#2ca02c", lw=1.5, label="field")
-        top = sorted(np.argsort(-np.nan_to_num(rec))[:10])
+        top = strongest_apart(rec, n=10, gap=max(1, len(rec) // 60))
         ax.set_yticks([])
         ax.set_xticks(top, [repr(tokens[p])[1:-1][:8] for p in top], rotation=70, fontsize=6)
         ax.grid(False)
         ax.set_title(f"{m}: item {ex['item_id']} ({info['n_tokens']} tokens; field-only "
                      f"{info['field_only']:.2f}, full-downstream {info['full_downstream']:.2f})", fontsize=8)
-        ax.set_xlabel("prompt position (labels: the 10 strongest tokens)")
+        ax.set_xlabel("prompt position (labels: the strongest tokens, one per neighbourhood)")
         fig.colorbar(im, ax=ax, fraction=0.025, pad=0.01, label="recovery")
         style.legend(ax, loc="upper left")
         pos = _classes(d[d["condition"] == "position"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis import style
@@ -62,21 +63,24 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
     style.legend(ax, loc="lower right")
     if len(comp):
         bx = axes[1]
-        for m in style.models_in(comp):
+        ks = sorted(float(k) for k in comp["seam"].dropna().unique())
+        series = [(m, value, lab) for m in style.models_in(comp)
+                  for value, lab in (("top1_agree", "top-1"), ("decision_agree", "decision"))
+                  if value in comp]
+        for j, (m, value, lab) in enumerate(series):  # points side by side at each K, not bands
             c = comp[comp["model"] == m]
-            for value, ls, lab in (("top1_agree", "-", "top-1"), ("decision_agree", "--", "decision")):
-                if value in c:
-                    t = ci_table(c, value, ["seam"])
-                    style.band(bx, t, "seam", f"{m} {lab} ({style.n_range(t)})", style.colour(m), linestyle=ls)
-        bx.set_xscale("symlog", linthresh=1)
-        style.ticks_at(bx, comp["seam"].dropna())
+            t = ci_table(c, value, ["seam"]).sort_values("seam")
+            x = np.array([ks.index(float(k)) for k in t["seam"]]) + 0.12 * (j - (len(series) - 1) / 2)
+            style.errorbars(bx, x, t, style.colour(m), label=f"{m} {lab} ({style.n_range(t)})",
+                            marker="o" if lab == "top-1" else "s")
+        bx.set_xticks(range(len(ks)), [f"{k:g}" for k in ks])
         bx.set_ylim(-0.05, 1.05)
-        bx.set_xlabel("seam K (symlog)")
+        bx.set_xlabel("seam K")
         bx.set_ylabel("agreement with full recompute")
-        bx.set_title("top-1 token and decision agreement (compose)")
+        bx.set_title("top-1 token (o) and decision (s) agreement (compose)")
         style.legend(bx, loc="lower right")
     caption = ("Cosine between the full-vocabulary next-token logits of the composed cache and of a full "
                "prefill of the same tokens. compose: skills items (several skill blocks + a question), n = "
-               "items; selfcheck: policy blocks after a prefix, n = blocks. Shaded: 95 % bootstrap CI. "
+               "items; selfcheck: policy blocks after a prefix, n = blocks. Shaded / bars: 95 % CI. "
                "Grey: paper (its models, GPU).")
     return style.finish(fig, TITLE, caption, out, NAME, both)
