@@ -1,0 +1,237 @@
+"""Cache blending: which tokens of reused blocks to recompute, at one budget for every rule.
+
+A prompt is a head (cached exactly), blocks each prefilled alone and RoPE-moved to where they
+land (`compose.transplant`, seam 0: naive reuse), then a tail run on top. The blocks never saw
+what precedes them; a selection rule picks block positions whose K/V are recomputed against the
+reused neighbours (`run.recompute`: each chosen token sees the stale K/V around it and the
+other chosen tokens causally). Budgets are fractions r of the block tokens:
+
+* seam K (EPIC's LegoLink): the first K tokens of every block, `compose.transplant(seam=K)`;
+* CacheBlend r: the round(r * N) block tokens with the largest key deviation at an early check
+  layer l, dev(p) = || K_fresh[l, p] - K_reused[l, p] ||_2 over heads and dims, K_fresh from a
+  prefill of the context through layer l only (`run.early_keys`; LMCache's blender also compares
+  keys, at layer 1). One set is recomputed at every layer: CacheBlend's gradual narrowing of the
+  set in later layers is not reproduced, so this is its first selection step at full depth;
+* note-aware r: round(r * L_j) tokens of each block j taken from its aggregator tokens
+  (newlines first, then punctuation and section marks, each class spread evenly over the block),
+  the positions the paper finds holding the memoized conclusions. No check pass; a block with
+  fewer aggregators than its budget recomputes fewer tokens (the record says how many).
+
+APE (arXiv 2502.05431) is training-free, but it is not run here: it encodes blocks in parallel
+at shared positions and rescales, for every later query, the attention to block keys (a
+temperature T and a factor S inside the softmax). Temperature alone is a key scaling; S needs an
+additive per-key bias in every layer that `run.extend` does not expose, and T, S are tuned per
+task on held-out data; an untuned pair would be a strawman.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from kvnotes import compose, run
+from kvnotes.cache import KVCache
+from kvnotes.models.loading import LoadedModel
+from kvnotes.tasks.tokens import is_aggregator
+
+FAMILIES = ("naive", "seam", "cacheblend", "notes")  # selection rules on top of reused blocks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Token ids of a prompt cut into head, blocks (in prompt order) and tail."""
+
+    head: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    tail: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.blocks or any(len(b) == 0 for b in self.blocks):
+            raise ValueError("a layout needs at least one block and no empty block")
+        if not self.tail:
+            raise ValueError("a layout needs a tail (the tokens run on top of the context)")
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.head, *(t for b in self.blocks for t in b)]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.context + list(self.tail)
+
+    @property
+    def starts(self) -> list[int]:
+        """Absolute position of each block's first token."""
+        out, pos = [], len(self.head)
+        for b in self.blocks:
+            out.append(pos)
+            pos += len(b)
+        return out
+
+    @property
+    def n_block_tokens(self) -> int:
+        return sum(len(b) for b in self.blocks)
+
+    def block_positions(self) -> list[int]:
+        return [s + i for s, b in zip(self.starts, self.blocks) for i in range(len(b))]
+
+
+def budget(n: int, fraction: float) -> int:
+    """round(fraction * n), at least 1 when fraction > 0, at most n."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"a budget is a fraction in [0, 1], got {fraction}")
+    k = math.floor(fraction * n + 0.5)
+    return min(n, max(k, 1 if fraction > 0 else 0))
+
+
+def spread(items: Sequence[int], k: int) -> list[int]:
+    """k of `items` evenly spaced over the list (all of them when k >= len)."""
+    m = len(items)
+    if k >= m:
+        return list(items)
+    return [items[math.floor((i + 0.5) * m / k)] for i in range(k)]
+
+
+# --- selection rules ---------------------------------------------------------------------------
+
+
+def seam_positions(layout: Layout, k: int) -> list[int]:
+    """The first min(k, L_j) positions of every block (what `transplant(seam=k)` recomputes)."""
+    if k < 0:
+        raise ValueError(f"seam K must be >= 0, got {k}")
+    return [s + i for s, b in zip(layout.starts, layout.blocks) for i in range(min(k, len(b)))]
+
+
+def key_deviation(
+    model: LoadedModel, reused: KVCache, context: Sequence[int], layer: int
+) -> Float[Tensor, " pos"]:
+    """|| K_fresh - K_reused ||_2 per position at `layer` (fp32), K_fresh from a clean prefill."""
+    if not 0 <= layer < model.n_layers:
+        raise ValueError(f"check layer must be in 0..{model.n_layers - 1}, got {layer}")
+    if reused.seq_len != len(context):
+        raise ValueError(f"reused cache has {reused.seq_len} positions, context {len(context)}")
+    fresh = run.early_keys(model, list(context), layer).float()  # [1, kv_head, pos, d_head]
+    old = reused.keys[layer].to(fresh.device).float()  # [1, kv_head, pos, d_head]
+    return (fresh - old).pow(2).sum(dim=(0, 1, 3)).sqrt().cpu()  # [pos]
+
+
+def cacheblend_positions(
+    deviation: Float[Tensor, " pos"], layout: Layout, fraction: float
+) -> list[int]:
+    """The budget(N, fraction) block positions with the largest deviation, sorted."""
+    cand = torch.tensor(layout.block_positions())
+    k = budget(len(cand), fraction)
+    if k == 0:
+        return []
+    top = deviation[cand].topk(k).indices  # ties: lowest index first (stable enough, seeded)
+    return sorted(int(p) for p in cand[top])
+
+
+def aggregator_class(tok: Any, ids: Sequence[int]) -> list[int]:
+    """Per token: 0 a newline, 1 other punctuation / section mark / special, 2 not an aggregator."""
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    texts: dict[int, str] = {}
+    out = []
+    for i in ids:
+        if i not in texts:
+            texts[i] = tok.decode([i])
+        t = texts[i]
+        out.append(0 if "\n" in t else 1 if i in special or is_aggregator(t) else 2)
+    return out
+
+
+def note_positions(tok: Any, layout: Layout, fraction: float) -> list[int]:
+    """Per block, budget(L_j, fraction) aggregator positions: newlines first, each class spread."""
+    chosen: list[int] = []
+    for start, blk in zip(layout.starts, layout.blocks):
+        k = budget(len(blk), fraction)
+        cls = aggregator_class(tok, blk)
+        for c in (0, 1):
+            if k <= 0:
+                break
+            mine = [i for i, x in enumerate(cls) if x == c]
+            pick = spread(mine, k)
+            chosen += [start + i for i in pick]
+            k -= len(pick)
+    return sorted(chosen)
+
+
+# --- building the blended cache ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    """A selection rule and its setting: seam K (tokens per block) or a fraction r of block tokens."""
+
+    family: str
+    setting: float = 0.0
+    check_layer: int = 1  # CacheBlend's early layer
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown blend method {self.family!r}; valid: {', '.join(FAMILIES)}")
+        if self.family == "seam" and (self.setting < 0 or self.setting != int(self.setting)):
+            raise ValueError(f"seam K must be an integer >= 0, got {self.setting}")
+        if self.family in ("cacheblend", "notes") and not 0.0 < self.setting <= 1.0:
+            raise ValueError(f"{self.family} needs a fraction in (0, 1], got {self.setting}")
+
+    @property
+    def name(self) -> str:
+        if self.family == "naive":
+            return "naive"
+        if self.family == "seam":
+            return f"seam@{int(self.setting)}"
+        return f"{self.family}@{round(self.setting * 100)}%"
+
+
+@dataclass(frozen=True)
+class Built:
+    """A blended context cache, the block tokens recomputed and the tokens run through the check."""
+
+    cache: KVCache
+    recomputed: int
+    checked: int = 0  # CacheBlend: context tokens prefilled through layers 0..check_layer
+
+
+def build(
+    model: LoadedModel,
+    layout: Layout,
+    prefix: KVCache | None,
+    blocks: Sequence[compose.Block],
+    method: Method,
+) -> Built:
+    """The context cache (head + blocks) under `method`, from the cached head and stored blocks."""
+    if len(blocks) != len(layout.blocks):
+        raise ValueError(f"{len(blocks)} stored blocks for a layout of {len(layout.blocks)}")
+    if method.family == "seam":
+        k = int(method.setting)
+        return Built(compose.transplant(model, prefix, blocks, k), len(seam_positions(layout, k)))
+    naive = compose.transplant(model, prefix, blocks, 0)
+    if method.family == "naive":
+        return Built(naive, 0)
+    checked = 0
+    if method.family == "cacheblend":
+        dev = key_deviation(model, naive, layout.context, method.check_layer)
+        chosen = cacheblend_positions(dev, layout, method.setting)
+        checked = len(layout.context)
+    else:
+        chosen = note_positions(model.tokenizer, layout, method.setting)
+    return Built(run.recompute(model, naive, layout.context, chosen), len(chosen), checked)
+
+
+def prefill_at(model: LoadedModel, ids: Sequence[int], start: int) -> KVCache:
+    """K/V of `ids` prefilled alone at positions start.. (the reference a rotation by `start` of
+    the block prefilled at 0 must match). A new engine primitive: `run` prefills from 0 only."""
+    from transformers import DynamicCache
+
+    x = run.as_ids(model, list(ids))
+    pos = torch.arange(start, start + x.shape[1], device=model.device)[None]
+    with torch.inference_mode():
+        out = model.hf(input_ids=x, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
+    return KVCache.from_dynamic(out.past_key_values)

@@ -1,0 +1,99 @@
+"""kvnotes.verify: go on every tiny family and the real llama, no-go (and a refused transplant
+gate) on longrope and on a wrong rotation, the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvnotes import verify
+from kvnotes.models.tiny import tiny_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Tiny models on one torch thread (conftest `one_thread`)."""
+
+
+def test_every_tiny_family_verifies_go(tiny):
+    rep = verify.verify(tiny, n_probes=1)
+    assert rep.go, rep.lines()
+    assert not rep.real_weights  # random weights: fidelity reported, not judged
+    assert rep.rope["roundtrip_rel"] < 1e-4 and rep.rope["offset_rel"] < 1e-4
+    assert {s["seam"] for s in rep.splice} == set(verify.SEAMS)
+    assert rep.exact["splice_full"] < 1e-4
+    if tiny.adapter.family in ("mistral", "gemma2", "gemma3"):
+        assert rep.rope["window_exercised"] is True  # probes outrun the 24-token window
+
+
+def test_longrope_is_no_go_and_require_go_refuses_unless_forced():
+    from test_rope import _longrope_model
+
+    m = _longrope_model()
+    rep = verify.verify(m, n_probes=1)
+    assert not rep.go and "longrope" in rep.reasons[0] and not rep.splice
+    with pytest.raises(verify.NoGoError, match="longrope"):
+        verify.require_go(m)
+    assert verify.require_go(m, force=True) is not None
+
+
+def test_a_wrong_rotation_is_caught(monkeypatch):
+    """cos/sin of 2 * delta: a round trip still closes, rotate vs prefill-at-offset does not."""
+    m = tiny_model("qwen2")
+    real = type(m.adapter).rope_cos_sin
+
+    def doubled(self, model, positions, layer):  # noqa: ANN001
+        return real(self, model, positions * 2, layer)
+
+    monkeypatch.setattr(type(m.adapter), "rope_cos_sin", doubled)
+    rep = verify.verify(m, n_probes=1)
+    assert rep.rope["roundtrip_rel"] < 1e-4
+    assert not rep.go and any("offset_rel" in r for r in rep.reasons)
+
+
+def test_fidelity_is_judged_against_the_stated_threshold():
+    m = tiny_model("llama")
+    strict = verify.Thresholds(rope_rel=1e-3, exact_atol=1e-3, cosine=0.99999)
+    rep = verify.verify(m, n_probes=1, judge_fidelity=True, thresholds=strict)
+    assert not rep.go and "splice cosine" in rep.reasons[0]
+    assert verify.verify(m, n_probes=1, judge_fidelity=False, thresholds=strict).go
+    with pytest.raises(ValueError):
+        verify.verify(m, n_probes=0)
+
+
+def test_require_go_runs_once_per_model(monkeypatch):
+    m = tiny_model("llama")
+    calls = []
+    real = verify.verify
+    monkeypatch.setattr(verify, "verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = verify.require_go(m, n_probes=1)
+    b = verify.require_go(m, n_probes=1)
+    assert a is b and a.go and len(calls) == 1
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "v.json"
+    assert verify.main(["tiny-mistral", "--probes", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "verdict GO" in text and "sliding window 24" in text
+    data = json.loads(out.read_text())
+    assert data[0]["go"] is True and data[0]["model"] == "tiny-mistral"
+    assert verify.main(["no-such-model"]) == 2
+    with pytest.raises(SystemExit):
+        verify.main([])
+
+
+def test_report_row_and_table():
+    rep = verify.verify(tiny_model("gemma2"), n_probes=1)
+    row = rep.row()
+    assert row.startswith("| tiny-gemma2 (tiny config) | float32 |") and row.endswith("| go |")
+    head, rule = verify.TABLE_HEAD.split("\n")
+    assert head.count("|") == rule.count("|") == row.count("|")
+
+
+def test_real_llama_is_go(llama):
+    torch.set_num_threads(1)
+    rep = verify.verify(llama, n_probes=1)
+    assert rep.real_weights and rep.go, rep.lines()
