@@ -1,0 +1,399 @@
+"""Experiment `blend`: cache-reuse methods head to head, on the same items, model and blocks.
+
+Every block is prefilled alone once and RoPE-moved to where it lands; the head is cached. Per
+item, against a full prefill of the same tokens: naive reuse; seam repair K (recompute the first
+K tokens of every block: EPIC's LegoLink, the same method under both names); CacheBlend r (the r
+% block tokens of largest key deviation at an early layer, recomputed against the reused
+neighbours); note-aware repair r (each block's aggregator tokens, the paper's account as a
+method) at CacheBlend's budgets (kvnotes.blend); optionally kvboost as it ships, in its own venv
+(experiments/_kvboost_worker.py). Workloads (experiments/_blend_workloads.py): skills, RAG-style
+memory notes, LoCoMo sessions. Per item and method: logit cosine, top-1, KL(full || method),
+decision agreement (LoCoMo: same normalised answer), task score (decision correct; LoCoMo token
+F1 of a greedy answer), recompute fraction (block tokens recomputed / block tokens) and TTFT
+ratio (method / full prefill, wall clock from stored blocks and cached head to first-token
+logits, as in compose_scaling). The summary gives CIs over items, the frontier per budget and
+whether a method is within 1 % of full-prefill task score at <= 15 % recompute. A verification
+(kvnotes.verify.require_go) runs first; on no-go the run stops unless `force`.
+
+    python -m experiments.run +experiment=blend model=llama device=cpu experiment.threads=1
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from experiments.compose import ci, torch_threads
+from experiments.config import ConfigError
+from experiments.registry import register
+from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree, wilson_ci
+
+if TYPE_CHECKING:
+    from experiments._blend_workloads import BlendItem
+    from experiments.run import Context
+    from kvnotes.models import LoadedModel
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ("skills", "memory", "locomo")
+VERIFY = "verify"
+TARGET_BUDGET, TARGET_DROP = 0.15, 0.01  # within 1 % of full-prefill task score at <= 15 %
+
+
+@dataclass
+class KvboostConfig:
+    """kvboost (PyPI, MIT) run as it ships, from the python of its own venv."""
+
+    enabled: bool = False
+    python: str = ".venv-kvboost/bin/python"  # relative: to the repository root
+    chunk_size: int = 64
+    overlap: int = 16  # its "selective" strategy: last R tokens before each seam
+    ratios: list[float] = field(default_factory=lambda: [0.15])  # its "cacheblend" strategy
+    timeout_s: int = 3600
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.overlap < 0 or not all(0 < r <= 1 for r in self.ratios):
+            raise ConfigError("kvboost: chunk_size >= 1, overlap >= 0 and ratios in (0, 1] are needed")
+
+
+@dataclass
+class BlendConfig:
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    n_items: int = 12  # per workload
+    skills_length: int = 600  # tokens per skills prompt (3 skill blocks)
+    memory_blocks: int = 6
+    memory_block_tokens: int = 150
+    locomo_path: str = "../shared/data/locomo/locomo10.json"  # relative: to the repository root
+    locomo_blocks: int = 5  # sessions per prompt
+    locomo_block_tokens: int = 300  # per session, cut at a turn boundary
+    max_new_tokens: int = 12  # LoCoMo greedy answer
+    seams: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    budgets: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.30])
+    check_layer: int = 1  # CacheBlend's early layer
+    timing_repeats: int = 1  # extra timed rounds are medianed with the first
+    kvboost: KvboostConfig = field(default_factory=KvboostConfig)
+    verify_probes: int = 4
+    force: bool = False  # run even when kvnotes.verify says no-go (recorded)
+    threads: int | None = None
+    n_boot: int = 1000
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.workloads if w not in WORKLOADS]
+        if bad or not self.workloads:
+            raise ConfigError(f"workloads {bad or '[]'}; valid: {', '.join(WORKLOADS)}")
+        if self.n_items < 1 or self.skills_length < 1 or self.max_new_tokens < 1:
+            raise ConfigError("n_items, skills_length and max_new_tokens must be >= 1")
+        if min(self.memory_blocks, self.locomo_blocks) < 1 or min(self.memory_block_tokens, self.locomo_block_tokens) < 16:
+            raise ConfigError("*_blocks >= 1 and *_block_tokens >= 16 are needed")
+        if any(k < 1 for k in self.seams) or not all(0 < b <= 1 for b in self.budgets):
+            raise ConfigError(f"seams >= 1 and budgets in (0, 1] are needed: {self.seams}, {self.budgets}")
+        if self.check_layer < 0 or self.timing_repeats < 1 or self.verify_probes < 1:
+            raise ConfigError("check_layer >= 0, timing_repeats >= 1 and verify_probes >= 1 are needed")
+
+    def check_inputs(self) -> None:
+        """Files the run reads, checked before any heavy work (not at composition: a machine
+        without the LoCoMo file can still compose and test the config)."""
+        if "locomo" in self.workloads and not resolve(self.locomo_path).is_file():
+            raise ConfigError(f"locomo_path {resolve(self.locomo_path)} is not a file (the official "
+                              "locomo10.json); set experiment.locomo_path or drop locomo from workloads")
+
+    def methods(self) -> list[Any]:
+        from kvnotes.blend import Method
+
+        return ([Method("naive")] + [Method("seam", k) for k in self.seams]
+                + [Method(f, r, self.check_layer) for f in ("cacheblend", "notes") for r in self.budgets])
+
+
+def resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
+
+# --- one item ------------------------------------------------------------------------------------
+
+
+def _timed(fn: Any, repeats: int) -> tuple[Any, float]:
+    """(result of the first call, median seconds over `repeats` calls)."""
+    times, out = [], None
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        res = fn()
+        times.append(time.perf_counter() - t0)
+        out = res if r == 0 else out
+    return out, float(np.median(times))
+
+
+def _answer(model: LoadedModel, cache: Any, last: int, max_new: int) -> str:
+    """Greedy answer continuing a prompt whose cache holds all but its last token `last`."""
+    from kvnotes import compose
+
+    tok = model.tokenizer
+    ids, _ = compose.greedy(model, cache, [last], max_new, tuple(getattr(tok, "all_special_ids", []) or ()))
+    return str(tok.decode(ids)).strip().split("\n")[0].strip()
+
+
+def _score(model: LoadedModel, item: BlendItem, step: Any, max_new: int) -> dict[str, Any]:
+    """Decision (argmax over the outcome tokens) or the LoCoMo answer of a prompt's last step."""
+    logits = step.logits[0, -1]
+    if item.gold is None:
+        ids = list(item.decision_ids)
+        dec = ids[int(logits[ids].argmax())]
+        return {"decision": dec, "task_score": float(dec == item.correct_id)}
+    n = step.cache.seq_len
+    ans = _answer(model, step.cache.slice(0, n - 1), item.layout.ids[-1], max_new)
+    from kvnotes import locomo
+
+    return {"decision": locomo.normalize(ans), "answer": ans, "task_score": locomo.f1(ans, item.gold)}
+
+
+def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[dict[str, Any]]:
+    """One record per method (full prefill included) for one item."""
+    from kvnotes import blend, compose, run
+
+    lay = item.layout
+    full, full_s = _timed(lambda: run.prefill(model, lay.ids), cfg.timing_repeats)
+    ref = full.logits[0, -1]
+    ref_score = _score(model, item, full, cfg.max_new_tokens)
+    head = run.prefill(model, list(lay.head)).cache if lay.head else None
+    blocks = [compose.prefill_block(model, list(b)) for b in lay.blocks]
+    run.extend(model, head, list(lay.tail))  # warm the kernels at the tail's shape
+    common = {"kind": "blend", "workload": item.workload, "item_id": item.item_id,
+              "domain": item.meta.get("domain", ""), "n_blocks": len(lay.blocks),
+              "n_block_tokens": lay.n_block_tokens, "n_context": len(lay.context),
+              "n_tail": len(lay.tail), "time_full_s": full_s, "task_score_full": ref_score["task_score"],
+              "decision_full": str(ref_score["decision"])}
+    rows = [{**common, "method": "full", "setting": 1.0, "name": "full", "recomputed": lay.n_block_tokens,
+             "checked": 0, "cosine": 1.0, "top1_agree": True, "kl": 0.0, "decision_agree": True,
+             "task_score": ref_score["task_score"], "time_s": full_s, "answer": ref_score.get("answer", "")}]
+    for m in cfg.methods():
+        def go(m: Any = m) -> tuple[Any, Any]:
+            built = blend.build(model, lay, head, blocks, m)
+            return built, run.extend(model, built.cache, list(lay.tail))
+        (built, step), dt = _timed(go, cfg.timing_repeats)
+        logits = step.logits[0, -1]
+        sc = _score(model, item, step, cfg.max_new_tokens)
+        rows.append({**common, "method": m.family, "setting": float(m.setting), "name": m.name,
+                     "recomputed": built.recomputed, "checked": built.checked,
+                     "cosine": float(logit_cosine(logits, ref)), "top1_agree": bool(top1_agree(logits, ref)),
+                     "kl": float(kl_divergence(ref, logits)),
+                     "decision_agree": str(sc["decision"]) == str(ref_score["decision"]),
+                     "task_score": sc["task_score"], "time_s": dt, "answer": sc.get("answer", "")})
+    for r in rows:
+        r["recompute_fraction"] = r["recomputed"] / lay.n_block_tokens
+        r["ttft_ratio"] = r["time_s"] / full_s
+        r["decision"] = str(r.pop("answer") or "")
+    return rows
+
+
+# --- kvboost, run as it ships --------------------------------------------------------------------
+
+
+def kvboost_configs(kb: KvboostConfig) -> dict[str, dict[str, Any]]:
+    return {f"selective@{kb.overlap}": {"strategy": "selective", "overlap": kb.overlap, "setting": kb.overlap},
+            **{f"cacheblend@{round(r * 100)}%": {"strategy": "cacheblend", "ratio": r, "setting": r}
+               for r in kb.ratios}}
+
+
+def kvboost_records(model: LoadedModel, items: list[BlendItem], cfg: BlendConfig) -> list[dict[str, Any]]:
+    """kvboost's selective and cacheblend strategies on the same prompts (its own venv)."""
+    kb = cfg.kvboost
+    py = resolve(kb.python)
+    if not py.exists():
+        raise RuntimeError(f"kvboost python {py} not found: python -m venv .venv-kvboost && "
+                           ".venv-kvboost/bin/pip install torch==2.13.0 kvboost")
+    tok = model.tokenizer
+    confs = kvboost_configs(kb)
+    job = {"model_path": model.source_path, "threads": torch.get_num_threads(), "chunk_size": kb.chunk_size,
+           "configs": [{"name": n, **c} for n, c in confs.items()], "items": [
+               {"key": f"i{j}", "text": tok.decode(it.layout.ids), "context_text": tok.decode(it.layout.context),
+                "max_new_tokens": 1 if it.gold is None else cfg.max_new_tokens} for j, it in enumerate(items)]}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        proc = subprocess.run([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
+                               f"{tmp}/out"], capture_output=True, text=True, timeout=kb.timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvboost worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        res = [json.loads(x) for x in (Path(tmp) / "out" / "results.jsonl").read_text().splitlines()]
+        logits = {(r["key"], r["config"]): torch.from_numpy(np.load(Path(tmp) / "out" / r["logits"])) for r in res}
+    return kvboost_rows(model, items, res, logits, confs)
+
+
+def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str, Any]],
+                 logits: dict[tuple[str, str], torch.Tensor], confs: dict[str, dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """Records of the worker's output, scored like ours. Its recompute fraction counts what it
+    ran through the model: uncached context tokens, plus every cached token when cacheblend ran
+    (its step 1 re-prefills them all; approximate, i.e. content-only, matches force it), else
+    `overlap` tokens per seam. cosine: against its own baseline (same tokens);
+    cosine_vs_ours: against kvnotes' full prefill of its tokens."""
+    from kvnotes import locomo, run
+
+    base = {r["key"]: r for r in res if r["config"] == "baseline"}
+    ours: dict[str, torch.Tensor] = {}
+    rows = []
+    for r in res:
+        if r["config"] == "baseline":
+            continue
+        it, b, conf = items[int(r["key"][1:])], base[r["key"]], confs[r["config"]]
+        x, ref = logits[(r["key"], r["config"])], logits[(r["key"], "baseline")]
+        if r["key"] not in ours:
+            ours[r["key"]] = run.prefill(model, r["ids"]).logits[0, -1].cpu()
+        if it.gold is None:
+            ids = list(it.decision_ids)
+            dec, dec_ref = ids[int(x[ids].argmax())], ids[int(ref[ids].argmax())]
+            score, score_ref = float(dec == it.correct_id), float(dec_ref == it.correct_id)
+        else:
+            ans, ans_ref = (str(t).strip().split("\n")[0].strip() for t in (r["output_text"], b["output_text"]))
+            dec, dec_ref = locomo.normalize(ans), locomo.normalize(ans_ref)
+            score, score_ref = locomo.f1(ans, it.gold), locomo.f1(ans_ref, it.gold)
+        n_ctx, cached = max(int(r["n_context"]), 1), int(r["cached_tokens"])
+        blended = conf["strategy"] == "cacheblend" or r["approximate_hits"] > 0
+        repair = cached if blended else min(cached, conf["overlap"] * max(r["warmed_chunks"] - 1, 0))
+        rows.append({
+            "kind": "blend", "workload": it.workload, "item_id": it.item_id, "domain": it.meta.get("domain", ""),
+            "method": "kvboost-" + conf["strategy"], "setting": float(conf["setting"]),
+            "name": "kvboost " + r["config"], "n_blocks": len(it.layout.blocks), "n_block_tokens": n_ctx,
+            "n_context": n_ctx, "n_tail": len(r["ids"]) - n_ctx, "recomputed": min(n_ctx, n_ctx - cached + repair),
+            "checked": 0, "cosine": float(logit_cosine(x, ref)), "top1_agree": bool(top1_agree(x, ref)),
+            "kl": float(kl_divergence(ref, x)), "decision_agree": str(dec) == str(dec_ref),
+            "task_score": score, "task_score_full": score_ref, "decision": str(dec), "decision_full": str(dec_ref),
+            "time_s": r["ttft_s"], "time_full_s": b["ttft_s"], "ttft_ratio": r["ttft_s"] / b["ttft_s"],
+            "reported_ttft_ratio": r["reported_ttft_ms"] / b["reported_ttft_ms"],
+            "kv_reuse_ratio": r["kv_reuse_ratio"], "approximate_hits": r["approximate_hits"],
+            "cacheblend_forced": bool(conf["strategy"] != "cacheblend" and r["approximate_hits"] > 0),
+            "same_tokens": r["ids"] == list(it.layout.ids),
+            "cosine_vs_ours": float(logit_cosine(x, ours[r["key"]])),
+            "baseline_cosine_vs_ours": float(logit_cosine(ref, ours[r["key"]])),
+        })
+        rows[-1]["recompute_fraction"] = rows[-1]["recomputed"] / n_ctx
+    return rows
+
+
+# --- summary -------------------------------------------------------------------------------------
+
+
+def _prop(values: Any) -> dict[str, float | int]:
+    """A proportion with its Wilson interval, in the ci() layout."""
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    if not len(x):
+        return {"mean": float("nan"), "ci_lo": float("nan"), "ci_hi": float("nan"), "n": 0}
+    p, lo, hi = wilson_ci(int(round(x.sum())), len(x))
+    return {"mean": p, "ci_lo": lo, "ci_hi": hi, "n": len(x)}
+
+
+def method_stats(g: pd.DataFrame, n_boot: int) -> dict[str, Any]:
+    binary = bool(g["task_score"].dropna().isin([0.0, 1.0]).all())
+    task = _prop if binary else (lambda v: ci(v, n_boot))
+    return {
+        "method": str(g["method"].iloc[0]), "setting": float(g["setting"].iloc[0]),
+        "recompute_fraction": float(g["recompute_fraction"].mean()),
+        "cosine": ci(g["cosine"], n_boot), "kl": ci(g["kl"], n_boot),
+        "top1_agree": _prop(g["top1_agree"].astype(float)),
+        "decision_agree": _prop(g["decision_agree"].astype(float)),
+        "task_score": task(g["task_score"]), "task_score_full": task(g["task_score_full"]),
+        "task_delta": ci(np.asarray(g["task_score"], float) - np.asarray(g["task_score_full"], float), n_boot),
+        "ttft_ratio": ci(g["ttft_ratio"], n_boot),
+    }
+
+
+def frontier(methods: dict[str, dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
+    """Per budget: the method (full prefill excluded) with the best mean cosine and task score
+    among those whose mean recompute fraction is within the budget (ties: the cheaper one)."""
+    out: dict[str, Any] = {}
+    for b in sorted(budgets):
+        ok = {n: s for n, s in methods.items() if s["method"] != "full" and s["recompute_fraction"] <= b + 1e-9}
+        out[f"{b:g}"] = {
+            metric: (None if not ok else {
+                "name": (best := max(ok, key=lambda n, m=metric: (ok[n][m]["mean"], -ok[n]["recompute_fraction"]))),
+                "value": ok[best][metric]["mean"], "recompute_fraction": ok[best]["recompute_fraction"]})
+            for metric in ("cosine", "task_score")
+        }
+    return out
+
+
+def summarize(records: list[dict[str, Any]], cfg: BlendConfig) -> dict[str, Any]:
+    df = pd.DataFrame(records)
+    out: dict[str, Any] = {}
+    kind = df["kind"] if "kind" in df.columns else pd.Series([], dtype=str)
+    ver = df[kind == VERIFY]
+    if len(ver):
+        out["verify"] = {k: ver.iloc[0][k] for k in ("go", "reasons", "roundtrip_rel", "offset_rel", "verify_forced")}
+    b = df[kind == "blend"]
+    out["workloads"] = {}
+    for w, gw in b.groupby("workload", sort=False):
+        methods = {str(n): method_stats(g, cfg.n_boot) for n, g in gw.groupby("name", sort=False)}
+        full = methods.get("full", {}).get("task_score", {}).get("mean", float("nan"))
+        target = [n for n, s in methods.items() if s["method"] != "full"
+                  and s["recompute_fraction"] <= TARGET_BUDGET + 1e-9
+                  and s["task_score"]["mean"] >= full - TARGET_DROP * abs(full)]
+        out["workloads"][str(w)] = {
+            "n_items": int(gw["item_id"].nunique()), "n_blocks_mean": float(gw["n_blocks"].mean()),
+            "n_block_tokens_mean": float(gw["n_block_tokens"].mean()), "methods": methods,
+            "frontier": frontier(methods, [*cfg.budgets, 1.0]),
+            "within_1pct_at_15pct": target,
+        }
+    return out
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def verify_record(rep: Any, forced: bool) -> dict[str, Any]:
+    cos = {f"cosine_k{s['seam']}": s["cosine"] for s in rep.splice}
+    return {"kind": VERIFY, "go": rep.go, "reasons": "; ".join(rep.reasons), "verify_forced": forced,
+            "roundtrip_rel": rep.rope.get("roundtrip_rel", np.nan),
+            "offset_rel": rep.rope.get("offset_rel", np.nan), **cos}
+
+
+def build_items(ctx: Context, cfg: BlendConfig, workload: str) -> list[BlendItem]:
+    from experiments import _blend_workloads as wl
+
+    tok, chat, seed = ctx.model.tokenizer, ctx.chat, ctx.cfg.seed
+    if workload == "skills":
+        return wl.skills_items(tok, chat, cfg.n_items, cfg.skills_length, seed)
+    if workload == "memory":
+        return wl.memory_items(tok, chat, cfg.n_items, cfg.memory_blocks, cfg.memory_block_tokens, seed)
+    items = wl.locomo_items(str(resolve(cfg.locomo_path)), tok, chat, cfg.n_items, cfg.locomo_blocks,
+                            cfg.locomo_block_tokens, seed)
+    if not items:
+        raise ValueError(f"no LoCoMo item: no conversation with >= {cfg.locomo_blocks} sessions and an "
+                         f"answerable question inside them in {resolve(cfg.locomo_path)}")
+    return items
+
+
+@register("experiment", "blend", BlendConfig, summarize=summarize,
+          help="cache reuse head to head: naive, seam/LegoLink, CacheBlend, note-aware, kvboost")
+def run(ctx: Context) -> None:
+    from kvnotes.verify import NoGoError, require_go
+
+    cfg: BlendConfig = ctx.params
+    cfg.check_inputs()
+    with torch_threads(cfg.threads):
+        try:
+            rep = require_go(ctx.model, force=cfg.force, n_probes=cfg.verify_probes)
+        except NoGoError:
+            rep = require_go(ctx.model, force=True)
+            if not ctx.writer.done(VERIFY):
+                ctx.write(VERIFY, [verify_record(rep, False)])
+            raise
+        for key in ctx.pending([VERIFY], desc="verify"):
+            ctx.write(key, [verify_record(rep, cfg.force and not rep.go)])
+        for w in cfg.workloads:
+            items = build_items(ctx, cfg, w)
+            units = {f"{w}:{it.item_id}": it for it in items}
+            for key in ctx.pending(list(units), desc=f"blend {w}"):
+                ctx.write(key, item_records(ctx.model, units[key], cfg))
+            if cfg.kvboost.enabled:
+                for key in ctx.pending([f"kvboost:{w}"], desc=f"kvboost {w}"):
+                    ctx.write(key, kvboost_records(ctx.model, items, cfg))
