@@ -1,4 +1,4 @@
-"""Activation reads and head-level patches through nnsight, with module paths from the family adapter.
+"""Activation reads, head-level patches and key knockouts, with module paths from the family adapter.
 
 `residual_stream` reads the residual stream after every decoder layer (resid_post). A head's
 output is its slice of the o_proj input (TransformerLens' z), `[n_heads * d_head] -> [n_heads,
@@ -6,6 +6,13 @@ d_head]`; since o_proj is linear, replacing that slice swaps the head's whole co
 W_O^h z^h to the residual stream. nnsight serves a trace in execution order, so reads and writes
 are issued layer by layer, ascending; and only `.save()`d values leave a trace (a list built
 inside one is dropped), so results are collected into containers made before the trace.
+
+`patch_heads_at_tail` does the same swap for many head sets at once: only the tail token's heads
+change, and no earlier position can see them, so the dst run is its cache plus the tail, read as
+a batch of variants over one shared cache (kvnotes.run.read_variants) with an o_proj pre-hook.
+`hide_keys` removes chosen keys from the attention of every later query (an additive -inf in a
+4D mask, all layers): the information written there reaches nothing downstream, unlike the
+decision-only knockout of kvnotes.attention, where positions after the notes keep what they read.
 """
 
 from __future__ import annotations
@@ -14,11 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
+from kvnotes.cache import KVCache
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import Ids, as_ids
+from kvnotes.run import Ids, as_ids, read_variants
 
 
 def _envoy(model: LoadedModel, module: nn.Module) -> Any:
@@ -99,3 +107,114 @@ def patch_head_outputs(
                 z[0, p_dst, h * d_head : (h + 1) * d_head] = z_src[layer][h * d_head : (h + 1) * d_head]
         logits = model.nnsight.output.logits[0, p_dst].save()
     return logits.float()
+
+
+def _o_proj_inputs(model: LoadedModel) -> list[nn.Module]:
+    return [model.adapter.o_proj(model.hf, layer) for layer in range(model.n_layers)]
+
+
+@torch.no_grad()
+def tail_head_outputs(model: LoadedModel, cache: KVCache, tail: Ids) -> Float[Tensor, "layer head d_head"]:
+    """Every head's output z at the last tail token, run after `cache` (fp32 copy)."""
+    H, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
+    z: dict[int, Tensor] = {}
+
+    def grab(layer: int) -> Any:
+        def hook(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            z[layer] = args[0][0, -1].detach().float().cpu()  # [H * d]
+        return hook
+
+    handles = [m.register_forward_pre_hook(grab(i)) for i, m in enumerate(_o_proj_inputs(model))]
+    try:
+        read_variants(model, cache, cache, [[]], tail)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack([z[layer].reshape(H, d) for layer in range(model.n_layers)])  # [layer, H, d]
+
+
+@torch.no_grad()
+def patch_heads_at_tail(
+    model: LoadedModel,
+    cache: KVCache,
+    tail: Ids,
+    z_src: Float[Tensor, "layer head d_head"],
+    heads: Bool[Tensor, "n layer head"],
+    batch_size: int = 64,
+) -> Float[Tensor, "n vocab"]:
+    """Last-tail-token logits after `cache` when, in variant i, the heads `heads[i]` output z_src.
+
+    Equal to `patch_head_outputs(dst, src, chosen heads)` when `cache` + `tail` is the dst prompt
+    and z_src the src prompt's tail outputs (`tail_head_outputs`): earlier positions are not
+    patched there either, and the tail is the only position that sees the patch.
+    """
+    L, H, d = z_src.shape
+    if heads.ndim != 3 or tuple(heads.shape[1:]) != (L, H) or L != model.n_layers:
+        raise ValueError(f"heads must be [n, {model.n_layers}, {H}], got {tuple(heads.shape)}")
+    chunk: dict[str, Tensor] = {}
+
+    def put(layer: int) -> Any:
+        def hook(_m: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0].clone()  # [b, tail, H * d]
+            on = chunk["heads"][:, layer].to(x.device)  # [b, H]
+            if not bool(on.any()):
+                return args
+            last = x[:, -1].reshape(x.shape[0], H, d)  # [b, H, d]
+            src = z_src[layer].to(device=x.device, dtype=x.dtype)[None]  # [1, H, d]
+            x[:, -1] = torch.where(on[..., None], src, last).reshape(x.shape[0], H * d)
+            return (x, *args[1:])
+        return hook
+
+    handles = [m.register_forward_pre_hook(put(i)) for i, m in enumerate(_o_proj_inputs(model))]
+    out = []
+    try:
+        for s in range(0, heads.shape[0], batch_size):
+            chunk["heads"] = heads[s : s + batch_size]
+            b = chunk["heads"].shape[0]
+            out.append(read_variants(model, cache, cache, [[]] * b, tail, batch_size=b)[:, -1])
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(out).float()
+
+
+def _hide_masks(model: LoadedModel, hidden: Bool[Tensor, "batch pos"]) -> Tensor | dict[str, Tensor]:
+    """Additive 4D masks [batch, 1, q, k]: causal, sliding windows per layer type, and key k in
+    `hidden[b]` invisible to every later query q > k (each position still sees itself)."""
+    B, n = hidden.shape
+    dev = model.device
+    q = torch.arange(n, device=dev)
+    causal = q[None, :] <= q[:, None]  # [q, k]
+    later = q[:, None] > q[None, :]  # [q, k]: strictly after the key
+    allowed = causal[None] & ~(hidden.to(dev)[:, None, :] & later[None])  # [B, q, k]
+    out: dict[str, Tensor] = {}
+    for i, kind in enumerate(model.adapter.layer_types(model.hf)):
+        if kind in out:
+            continue
+        ok = allowed
+        window = model.adapter.sliding_window(model.hf, i)
+        if window:
+            ok = ok & ((q[:, None] - q[None, :]) < window)[None]
+        mask = torch.zeros(ok.shape, dtype=model.dtype, device=dev)
+        out[kind] = mask.masked_fill(~ok, torch.finfo(model.dtype).min)[:, None]  # [B, 1, q, k]
+    return next(iter(out.values())) if len(out) == 1 else out
+
+
+@torch.no_grad()
+def hide_keys(
+    model: LoadedModel, ids: Ids, hidden: Bool[Tensor, "n pos"], batch_size: int = 8
+) -> Float[Tensor, "n vocab"]:
+    """Last-position logits of `ids` when, in variant i, the keys `hidden[i]` are removed from the
+    attention of every later query, in every layer and head (a cache-free forward per variant)."""
+    x = _one(model, ids)
+    n = x.shape[1]
+    if hidden.ndim != 2 or hidden.shape[1] != n:
+        raise ValueError(f"hidden must be [variants, {n}], got {tuple(hidden.shape)}")
+    out = []
+    for s in range(0, hidden.shape[0], batch_size):
+        h = hidden[s : s + batch_size]
+        pos = torch.arange(n, device=model.device)[None].expand(h.shape[0], -1)
+        res = model.hf(input_ids=x.expand(h.shape[0], -1), attention_mask=_hide_masks(model, h),
+                       position_ids=pos, use_cache=False, logits_to_keep=1)
+        out.append(res.logits[:, -1].float())
+    return torch.cat(out)

@@ -1,14 +1,18 @@
 """Probe `knockout`: does the decision token read the notes? Attention knockout and read heads.
 
-On the new prompt's cache, the decision token's attention to chosen cached keys is removed (-inf
-before the softmax) at chosen layers; reversion = (oracle - score) / (oracle - stale) measures
-how far the decision falls back to the old value's (1 = fully reverted; `reverted` when > 0.5).
-Keys: the top 25 % most-attended downstream positions, the field, an equal-size random downstream
-set, the sink; a dose-response over the fraction masked; the top set per layer third. Attention
-mass of the decision token is split into field / downstream / sink / other. Read heads: heads
-ranked by the decision token's attention to the downstream span have their outputs patched from
-the new run into the old one (nnsight), against random heads. Paper: by thirds early 0.00, mid
-0.25, late 0.33, all 1.00; mass field/downstream/sink 0.001/0.56/0.36; top-12 heads 0.72-0.82.
+On the new prompt, chosen keys are removed from attention (-inf before the softmax) and the signed
+reversion r = (oracle - score) / (oracle - stale) is read: 1 = back at the stale score, > 1.5
+overshoots past it, < 0 moves away from it. Two variants: `decision` masks only the decision
+token's attention (on the cached K/V, so positions after the notes keep what they read there);
+`after_notes` hides the keys from every later query, in every layer (nothing downstream can read
+them). Key sets: the top 25 % most-attended downstream positions, a random set matched to it in
+count and in distance from the decision token, the field, the sink; a dose-response over the
+fraction masked (most attended first, and random sets of the same size); the top set per layer
+third (decision variant). Each is summarised as a distribution (probes._readouts), and
+REVERTS_RULE, fixed here before any number was looked at, says which variant reproduces the
+paper's "the decision reverts". Attention mass of the decision token is split into field /
+downstream / sink / other / self. Read heads: probes._heads. Paper: thirds early 0.00, mid 0.25,
+late 0.33, all 1.00; mass field/downstream/sink 0.001/0.56/0.36; top-12 heads 0.72-0.82.
 """
 
 from __future__ import annotations
@@ -29,14 +33,25 @@ from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, scores_from_logits
 from kvnotes.run import read_variants
 from kvnotes.tasks.item import TaskItem
-from probes._common import (
-    ci_dict,
-    curve,
-    item_fields,
-    run_pairs,
-    skip_summary,
+from probes._common import ci_dict, item_fields, run_pairs, skip_summary
+from probes._heads import RANKINGS, head_records, summarize_heads
+from probes._readouts import (
+    REVERTED,
+    paired_difference,
+    per_item,
+    proportion,
+    reversion_stats,
+    reverted,
 )
 from probes.suffix import bands
+
+VARIANTS = ("decision", "after_notes")
+REVERTS_RULE = (
+    "a variant reproduces 'the decision reverts' when, over usable items, masking the top set gives "
+    f"(1) a median signed reversion within [{REVERTED[0]}, {REVERTED[1]}], (2) at least half of the "
+    f"items reverted (reversion within [{REVERTED[0]}, {REVERTED[1]}]) and (3) a paired difference "
+    "top - matched random (draws averaged per item) whose 95 % bootstrap CI lies above 0"
+)
 
 
 @dataclass
@@ -44,19 +59,30 @@ class KnockoutConfig:
     margin: float | None = None
     top_fraction: float = 0.25  # the "most-attended" set: this share of downstream positions
     fractions: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5, 0.75, 1.0])
-    n_random: int = 3  # random draws for random positions and random heads
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    n_random: int = 3  # draws of every random control (positions and heads)
+    match_width: int = 3  # matched control: a random pick among this many nearest in distance
     n_sink: int = 1  # the first positions count as the attention sink
     read_heads: bool = True
-    n_heads: int = 12
+    head_ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    head_rankings: list[str] = field(default_factory=lambda: list(RANKINGS))
+    n_heads: int = 12  # the paper's top-12: always on the curve, and reported on its own
     seed: int = 0
     batch_size: int = 64
+    hide_batch_size: int = 4  # after_notes: full forwards per batch
     unit_size: int = 1
 
     def __post_init__(self) -> None:
-        if not 0 < self.top_fraction <= 1 or any(not 0 < f <= 1 for f in self.fractions):
-            raise ValueError("top_fraction and fractions must be in (0, 1]")
-        if self.n_heads < 1 or self.n_sink < 0 or self.n_random < 0:
-            raise ValueError("n_heads >= 1, n_sink >= 0, n_random >= 0")
+        if not 0 < self.top_fraction <= 0.5 or any(not 0 < f <= 1 for f in self.fractions):
+            raise ValueError("top_fraction in (0, 0.5] (the matched control draws from the rest) "
+                             "and fractions in (0, 1]")
+        bad = [v for v in self.variants if v not in VARIANTS] + [r for r in self.head_rankings if r not in RANKINGS]
+        if bad or not self.variants:
+            raise ValueError(f"unknown variants/rankings {bad}; variants: {VARIANTS}, rankings: {RANKINGS}")
+        if self.n_heads < 1 or any(k < 1 for k in self.head_ks) or self.n_sink < 0 or self.n_random < 0:
+            raise ValueError("n_heads >= 1, head_ks >= 1, n_sink >= 0, n_random >= 0")
+        if self.match_width < 1 or self.batch_size < 1 or self.hide_batch_size < 1:
+            raise ValueError("match_width, batch_size and hide_batch_size must be >= 1")
 
 
 def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:
@@ -70,95 +96,163 @@ def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:
 def mass_split(att: torch.Tensor, pair: PatchPair, n_sink: int) -> dict[str, float]:
     """Share of the decision token's attention (mean over layers and heads) on each region."""
     total = att.sum(-1).mean().item()  # the rest goes to the token itself
+
     def share(pos: list[int]) -> float:
         return float(att[..., pos].sum(-1).mean().item()) if pos else 0.0
+
     sink = list(range(min(n_sink, pair.item.field_span[0])))
     fld, down = pair.field_positions, pair.downstream_positions
-    other = [p for p in range(pair.n_cached) if p not in set(sink + fld + down)]
+    taken = set(sink + fld + down)
+    other = [p for p in range(pair.n_cached) if p not in taken]
     return {"mass_field": share(fld), "mass_downstream": share(down), "mass_sink": share(sink),
             "mass_other": share(other), "mass_self": 1.0 - total}
 
 
-def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margin: float) -> list[dict[str, Any]]:
-    item, down, L = pair.item, pair.downstream_positions, model.n_layers
-    rng = random.Random(f"{cfg.seed}/{item.item_id}")
-    att = attention_to_cache(model, pair)  # [layer, head, pos]
-    base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
-                                "score_oracle": pair.score_oracle}
-    rows: list[dict[str, Any]] = [base | {"condition": "mass", **mass_split(att, pair, cfg.n_sink)}]
+def matched_random(top: Sequence[int], pool: Sequence[int], anchor: int, rng: random.Random,
+                   width: int) -> list[int]:
+    """A random set like `top` in count and in distance from `anchor`, drawn from `pool` - top:
+    each top key (in random order) gets a partner drawn among the `width` unused positions whose
+    distance to the anchor is nearest to its own."""
+    free = sorted(set(pool) - set(top))
+    if len(free) < len(top):
+        raise ValueError(f"{len(top)} keys to match from {len(free)} free positions")
+    out = []
+    for p in rng.sample(list(top), len(top)):
+        near = sorted(free, key=lambda q: (abs(q - p), q))[:width]  # |d_q - d_p| = |q - p|
+        q = rng.choice(near)
+        free.remove(q)
+        out.append(q)
+    return sorted(out)
+
+
+KeySet = tuple[dict[str, Any], list[int], list[int]]  # (record fields, keys, layers)
+
+
+def key_sets(pair: PatchPair, att: torch.Tensor, cfg: KnockoutConfig, rng: random.Random,
+             n_layers: int) -> list[KeySet]:
+    """Every masked key set of one item, most-attended order from the decision token's attention."""
+    down, all_layers = pair.downstream_positions, list(range(n_layers))
     by_att = [down[i] for i in torch.argsort(att.mean((0, 1))[down], descending=True, stable=True).tolist()]
     n_top = max(1, math.ceil(cfg.top_fraction * len(down)))
-    sets: list[tuple[dict[str, Any], list[int], list[int]]] = [
-        ({"condition": "top", "n_keys": n_top}, by_att[:n_top], list(range(L))),
-        ({"condition": "field", "n_keys": len(pair.field_positions)}, pair.field_positions, list(range(L))),
-        ({"condition": "sink", "n_keys": cfg.n_sink}, list(range(cfg.n_sink)), list(range(L))),
+    top = by_att[:n_top]
+    sets: list[KeySet] = [
+        ({"condition": "top", "n_keys": n_top}, top, all_layers),
+        ({"condition": "field", "n_keys": len(pair.field_positions)}, pair.field_positions, all_layers),
+        ({"condition": "sink", "n_keys": cfg.n_sink}, list(range(cfg.n_sink)), all_layers),
     ]
-    sets += [({"condition": "random", "n_keys": n_top, "draw": d}, rng.sample(down, n_top), list(range(L)))
-             for d in range(cfg.n_random)]
+    for d in range(cfg.n_random):
+        keys = matched_random(top, down, pair.n_cached, rng, cfg.match_width)
+        gap = float(np.mean(np.abs(np.sort(keys) - np.sort(top))))
+        sets.append(({"condition": "random_matched", "n_keys": n_top, "draw": d, "distance_gap": gap},
+                     keys, all_layers))
     for f in cfg.fractions:
         k = max(1, math.ceil(f * len(down)))
-        sets.append(({"condition": "dose", "fraction": f, "n_keys": k}, by_att[:k], list(range(L))))
-    for name, lay in bands(L).items():
-        sets.append(({"condition": "band", "band": name, "n_keys": n_top}, by_att[:n_top], lay))
+        sets.append(({"condition": "dose", "fraction": f, "n_keys": k}, by_att[:k], all_layers))
+        sets += [({"condition": "dose_random", "fraction": f, "n_keys": k, "draw": d}, sorted(rng.sample(down, k)),
+                  all_layers) for d in range(cfg.n_random)]
+    for name, lay in bands(n_layers).items():
+        sets.append(({"condition": "band", "band": name, "n_keys": n_top}, top, lay))
+    return sets
+
+
+def _decision_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
     key_mask = torch.zeros(len(sets), pair.n_cached, dtype=torch.bool)
-    layer_mask = torch.zeros(len(sets), L, dtype=torch.bool)
+    layer_mask = torch.zeros(len(sets), model.n_layers, dtype=torch.bool)
     for i, (_, keys, lay) in enumerate(sets):
         key_mask[i, keys] = True
         layer_mask[i, lay] = True
     logits = read_variants(model, pair.new, pair.new, [[]] * len(sets), pair.tail, key_mask=key_mask,
                            mask_layers=layer_mask, batch_size=cfg.batch_size)[:, -1]
-    scores = scores_from_logits(item, logits)
-    rev = np.atleast_1d(recovery(scores, pair.score_oracle, pair.score_stale))  # 1 = back to stale
-    for (row, _, _), s, r in zip(sets, scores, rev, strict=True):
-        rows.append(base | row | {"score": float(s), "reversion": float(r), "reverted": bool(r > 0.5)})
+    return scores_from_logits(pair.item, logits)
+
+
+def _after_notes_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
+    hidden = torch.zeros(len(sets), pair.item.n_tokens, dtype=torch.bool)
+    for i, (_, keys, _) in enumerate(sets):
+        hidden[i, keys] = True
+    logits = interp.hide_keys(model, pair.item.new_ids, hidden, cfg.hide_batch_size)
+    return scores_from_logits(pair.item, logits)
+
+
+def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margin: float) -> list[dict[str, Any]]:
+    item = pair.item
+    rng = random.Random(f"{cfg.seed}/{item.item_id}")
+    att = attention_to_cache(model, pair)  # [layer, head, pos]
+    base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
+                                "score_oracle": pair.score_oracle, "n_downstream": len(pair.downstream_positions)}
+    rows: list[dict[str, Any]] = [base | {"condition": "mass", **mass_split(att, pair, cfg.n_sink)}]
+    sets = key_sets(pair, att, cfg, rng, model.n_layers)
+    for variant in cfg.variants:
+        chosen = sets if variant == "decision" else [s for s in sets if s[0]["condition"] != "band"]
+        scores = (_decision_scores if variant == "decision" else _after_notes_scores)(model, pair, chosen, cfg)
+        rev = np.atleast_1d(recovery(scores, pair.score_oracle, pair.score_stale))  # 1 = back to stale
+        for (row, _, _), s, r in zip(chosen, scores, rev, strict=True):
+            rows.append(base | row | {"variant": variant, "score": float(s), "reversion": float(r),
+                                      "reverted": reverted(r), "overshoot": bool(r > REVERTED[1]),
+                                      "away": bool(r < 0)})
     if cfg.read_heads:
-        rows += head_records(model, pair, att, cfg, rng, base)
+        ks = sorted(set(cfg.head_ks) | {cfg.n_heads})
+        rows += head_records(model, pair, att, ks, cfg.head_rankings, cfg.n_random, rng, base, cfg.batch_size)
     return rows
-
-
-def head_records(model: LoadedModel, pair: PatchPair, att: torch.Tensor, cfg: KnockoutConfig,
-                 rng: random.Random, base: dict[str, Any]) -> list[dict[str, Any]]:
-    """Patch the outputs of the heads that read the notes (new -> old run) vs random heads."""
-    H = att.shape[1]
-    notes = att[..., pair.downstream_positions].sum(-1)  # [layer, head]
-    order = torch.argsort(notes.flatten(), descending=True).tolist()
-    ranked = [(i // H, i % H) for i in order]
-    k = min(cfg.n_heads, len(ranked))
-    choices = [({"condition": "heads_top", "n_heads": k}, ranked[:k])]
-    choices += [({"condition": "heads_random", "n_heads": k, "draw": d}, rng.sample(ranked, k))
-                for d in range(cfg.n_random)]
-    out = []
-    for row, heads in choices:
-        logits = interp.patch_head_outputs(model, pair.item.old_ids, pair.item.new_ids, heads)
-        s = float(scores_from_logits(pair.item, logits[None])[0])
-        r = float(recovery(s, pair.score_stale, pair.score_oracle))
-        out.append(base | row | {"heads": str(heads), "score": s, "recovery": r})
-    return out
 
 
 def run(model: LoadedModel, items: Sequence[TaskItem], cfg: KnockoutConfig) -> list[dict[str, Any]]:
     return run_pairs(model, items, cfg.margin, lambda pair, m: item_records(model, pair, cfg, m))
 
 
-def _ci(records: Sequence[Mapping[str, Any]], cond: str, key: str) -> dict[str, Any]:
-    return ci_dict(float(r[key]) for r in records if r.get("condition") == cond)
+def _rev(records: Sequence[Mapping[str, Any]], variant: str, cond: str, **eq: Any) -> dict[str, float]:
+    """item -> reversion (random draws averaged per item) of one condition in one variant."""
+    def keep(r: Mapping[str, Any]) -> bool:
+        return (r.get("condition") == cond and r.get("variant", "decision") == variant
+                and all(r.get(k) == v for k, v in eq.items()))
+    return per_item(records, keep, "reversion")
+
+
+def reproduces(top: Mapping[str, Any], diff: Mapping[str, Any]) -> bool | None:
+    """REVERTS_RULE on one variant's summaries; None when no item was usable."""
+    if not top["n"]:
+        return None
+    return bool(REVERTED[0] <= top["median"] <= REVERTED[1] and top["share_reverted"]["mean"] >= 0.5
+                and diff["ci_lo"] > 0)
+
+
+def summarize_variant(records: Sequence[Mapping[str, Any]], variant: str) -> dict[str, Any]:
+    out: dict[str, Any] = {c: reversion_stats(_rev(records, variant, c).values()) for c in ("top", "field", "sink")}
+    top, rand = _rev(records, variant, "top"), _rev(records, variant, "random_matched")
+    out["random_matched"] = reversion_stats(rand.values())
+    out["top_minus_random"] = paired_difference(top, rand)
+    gaps = per_item(records, lambda r: r.get("condition") == "random_matched"
+                    and r.get("variant", "decision") == variant, "distance_gap")
+    out["matched_distance_gap"] = ci_dict(gaps.values())  # tokens; 0 = same distances as the top set
+    fracs = sorted({float(r["fraction"]) for r in records if r.get("condition") == "dose"
+                    and r.get("variant", "decision") == variant})
+    out["dose"] = [{"fraction": f, "top": reversion_stats(_rev(records, variant, "dose", fraction=f).values()),
+                    "random": reversion_stats(_rev(records, variant, "dose_random", fraction=f).values())}
+                   for f in fracs]
+    out["reproduces_reverts"] = reproduces(out["top"], out["top_minus_random"])
+    return out
 
 
 def summarize(records: Sequence[Mapping[str, Any]], cfg: KnockoutConfig) -> dict[str, Any]:
     out = skip_summary(records)
-    out["mass"] = {k: _ci(records, "mass", k) for k in
+    mass = [r for r in records if r.get("condition") == "mass"]
+    out["mass"] = {k: ci_dict(float(r[k]) for r in mass) for k in
                    ("mass_field", "mass_downstream", "mass_sink", "mass_other", "mass_self")}
-    for cond in ("top", "field", "sink", "random"):
-        out[cond] = {"reversion": _ci(records, cond, "reversion"), "reverted": _ci(records, cond, "reverted")}
-    dose = [r | {"recovery": r["reversion"]} for r in records if r.get("condition") == "dose"]
-    out["dose"] = curve(dose, "dose", "fraction")  # mean reversion: heavy-tailed, read with dose_reverted
-    out["dose_reverted"] = curve([r | {"recovery": float(r["reverted"])} for r in dose], "dose", "fraction")
-    band = [r | {"recovery": float(r["reverted"])} for r in records if r.get("condition") == "band"]
-    out["bands_reverted"] = curve(band, "band", "band")
-    out["heads_top"] = _ci(records, "heads_top", "recovery")
-    out["heads_random"] = _ci(records, "heads_random", "recovery")
+    present = [v for v in VARIANTS if any(r.get("variant", "decision") == v and r.get("condition") == "top"
+                                          for r in records)]
+    for v in present:
+        out[v] = summarize_variant(records, v)
+    out["reverts_rule"] = REVERTS_RULE
+    out["reverts_reproduced_by"] = [v for v in present if out[v]["reproduces_reverts"]]
+    band = [r for r in records if r.get("condition") == "band"]
+    out["bands"] = [{"band": b, "reverted": proportion(bool(r["reverted"]) for r in band if r["band"] == b),
+                     **{k: v for k, v in reversion_stats(float(r["reversion"]) for r in band if r["band"] == b).items()
+                        if k in ("median", "share_overshoot", "share_away")}}
+                    for b in ("early", "mid", "late", "all") if any(r["band"] == b for r in band)]
+    if any(r.get("condition") == "heads" for r in records):
+        out["heads"] = summarize_heads(records, cfg.n_heads)
     return out
 
 
 register("probe", "knockout", KnockoutConfig, summarize=summarize,
-         help="circuit knockout: mask the decision token's attention to the notes; read heads")(run)
+         help="circuit knockout: signed reversion vs matched random keys, two mask variants; read-head curves")(run)

@@ -58,21 +58,26 @@ def test_suffix_curves_end_at_full_downstream(model, items):
 
 
 def test_knockout_records(model, items):
-    cfg = knockout.KnockoutConfig(margin=0.0, n_random=1, n_heads=2)
+    cfg = knockout.KnockoutConfig(margin=0.0, n_random=1, head_ks=[1, 2])
     recs = knockout.run(model, items, cfg)
     mass = _by(recs, "mass")[0]
     total = mass["mass_field"] + mass["mass_downstream"] + mass["mass_sink"] + mass["mass_other"] + mass["mass_self"]
     assert total == pytest.approx(1.0, abs=1e-4)
+    assert {r["variant"] for r in _by(recs, "top")} == {"decision", "after_notes"}
+    assert {r["variant"] for r in _by(recs, "band")} == {"decision"}  # layer thirds: decision token only
     s = knockout.summarize(recs, cfg)
-    assert {b["band"] for b in s["bands_reverted"]} == {"early", "mid", "late", "all"}
-    assert len(_by(recs, "heads_top")) == 2 and "mean" in s["heads_top"]
+    assert {b["band"] for b in s["bands"]} == {"early", "mid", "late", "all"}
+    assert set(s["reverts_reproduced_by"]) <= {"decision", "after_notes"} and "median" in s["reverts_rule"]
+    assert {p["n_heads"] for p in s["heads"]["curves"]["attention"]} == {1, 2, 12}
 
 
 def test_linear_probe_runs_and_reports_depths(model):
     its = tasks.build_suite("gated-polarity", model.tokenizer, chat=False, n_items=6, length=700, seed=0)
-    cfg = linear.LinearConfig(n_splits=2)
+    cfg = linear.LinearConfig(n_splits=2, max_aggregators=2)
     recs = linear.run(model, its, cfg)
     s = linear.summarize(recs, cfg)
     assert s["n_prompts"] == 12 and len(s["accuracy_by_layer"]) == model.n_layers
     assert math.isnan(s["write_depth"]) or 0 <= s["write_depth"] <= 1
     assert 0 <= s["commit_depth"]["mean"] <= 1
+    assert len(_by(recs, "probe")) == 2 * 2 * model.n_layers  # labels x aggregators x layers
+    assert set(s["labels"]) == {"truth", "model"}

@@ -1,0 +1,113 @@
+"""Probe knockout's readouts: the signed reversion distribution, the distance-matched control, the
+rule that decides which variant reproduces "the decision reverts", and identities on a tiny model."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from kvnotes import tasks
+from kvnotes.models.tiny import tiny_model
+from probes import knockout
+from probes._readouts import paired_difference, per_item, proportion, reversion_stats
+
+
+def test_reversion_stats_separate_reverting_from_overshooting_and_moving_away():
+    s = reversion_stats([1.0, 0.7, 2.5, -0.3, 1.5, 0.5, float("nan"), 3.0])
+    assert s["n"] == 7 and s["median"] == pytest.approx(1.0)
+    assert (s["share_reverted"]["k"], s["share_overshoot"]["k"], s["share_away"]["k"]) == (4, 2, 1)
+    assert s["share_reverted"]["mean"] == pytest.approx(4 / 7)
+    assert s["share_reverted"]["ci_lo"] < 4 / 7 < s["share_reverted"]["ci_hi"]
+    full = proportion([True] * 30)
+    assert full["mean"] == 1.0 and full["ci_lo"] < 0.9  # Wilson: never zero width at 30/30
+
+
+def test_random_draws_are_averaged_per_item_before_the_interval():
+    recs = [{"item_id": i, "condition": "r", "reversion": v} for i, vals in (("a", (0.0, 1.0)), ("b", (2.0, 2.0)))
+            for v in vals]
+    means = per_item(recs, lambda r: r["condition"] == "r", "reversion")
+    assert means == {"a": 0.5, "b": 2.0}
+    d = paired_difference({"a": 1.0, "b": 3.0, "c": 9.0}, means)
+    assert d["n"] == 2 and d["mean"] == pytest.approx(0.75)
+
+
+def test_matched_random_keeps_count_and_distance():
+    down = list(range(100, 400))
+    top = [150, 151, 260, 380, 381, 390]
+    keys = knockout.matched_random(top, down, 400, random.Random(0), width=3)
+    assert len(keys) == len(top) and not set(keys) & set(top) and set(keys) <= set(down)
+    assert np.abs(np.sort(keys) - np.sort(top)).max() <= 4  # each partner among the 3 nearest free
+    assert keys == knockout.matched_random(top, down, 400, random.Random(0), width=3)  # seeded
+    with pytest.raises(ValueError, match="to match"):
+        knockout.matched_random(down[:200], down, 400, random.Random(0), width=3)
+
+
+@pytest.mark.parametrize(("top", "diff_lo", "expected"), [
+    ([1.0, 0.9, 1.2, 0.8, 1.1], 0.3, True),
+    ([2.5, 3.0, 2.2, 1.0, 0.9], 0.3, False),  # overshoots: median above 1.5
+    ([1.0, 0.9, 1.2, 0.8, 1.1], -0.1, False),  # no better than matched random keys
+    ([1.0, 0.9, -1.0, 3.0, 2.0], 0.3, False),  # median in band but fewer than half revert
+])
+def test_the_reverts_rule(top, diff_lo, expected):
+    assert knockout.reproduces(reversion_stats(top), {"ci_lo": diff_lo}) is expected
+
+
+def test_the_reverts_rule_says_nothing_without_items():
+    assert knockout.reproduces(reversion_stats([]), {"ci_lo": float("nan")}) is None
+
+
+def test_config_errors_name_what_is_valid():
+    with pytest.raises(ValueError, match="after_notes"):
+        knockout.KnockoutConfig(variants=["everything"])
+    with pytest.raises(ValueError, match="matched control"):
+        knockout.KnockoutConfig(top_fraction=0.8)
+
+
+@pytest.fixture(scope="module")
+def records(one_thread):
+    model = tiny_model("llama")
+    items = tasks.build_suite("gated", model.tokenizer, chat=False, n_items=2, length=700, seed=0)
+    n_all = model.n_layers * model.adapter.n_heads(model.hf)
+    cfg = knockout.KnockoutConfig(margin=0.0, n_random=2, fractions=[0.1, 0.25, 1.0], head_ks=[1, 2, n_all, 10_000])
+    return model, cfg, knockout.run(model, items, cfg)
+
+
+def _one(recs, **eq):
+    rows = [r for r in recs if all(r.get(k) == v for k, v in eq.items())]
+    return rows
+
+
+def test_same_key_sets_give_the_same_reading(records):
+    _, _, recs = records
+    for item in {r["item_id"] for r in recs}:
+        for variant in ("decision", "after_notes"):
+            top = _one(recs, item_id=item, variant=variant, condition="top")[0]
+            dose = _one(recs, item_id=item, variant=variant, condition="dose", fraction=0.25)[0]
+            assert dose["score"] == pytest.approx(top["score"], abs=1e-5)  # the top set is the 25 % dose
+            everything = _one(recs, item_id=item, variant=variant, condition="dose", fraction=1.0)[0]
+            for r in _one(recs, item_id=item, variant=variant, condition="dose_random", fraction=1.0):
+                assert r["score"] == pytest.approx(everything["score"], abs=1e-5)
+        all_band = _one(recs, item_id=item, condition="band", band="all")[0]
+        top = _one(recs, item_id=item, variant="decision", condition="top")[0]
+        assert all_band["score"] == pytest.approx(top["score"], abs=1e-5)
+
+
+def test_head_curves_end_at_the_new_run_and_start_at_the_best_head(records):
+    model, cfg, recs = records
+    n_all = model.n_layers * model.adapter.n_heads(model.hf)
+    for item in {r["item_id"] for r in recs}:
+        single = [r["recovery"] for r in _one(recs, item_id=item, condition="head_single")]
+        assert len(single) == n_all
+        if all(math.isnan(x) for x in single):
+            continue  # |oracle - stale| ~ 0 on this item: no recovery to check
+        best = _one(recs, item_id=item, condition="heads", ranking="effect", n_heads=1)[0]
+        assert best["recovery"] == pytest.approx(max(single), abs=1e-6)
+        every = _one(recs, item_id=item, condition="heads", ranking="attention")
+        assert {r["n_heads"] for r in every} == {1, 2, 12, n_all}  # 10_000 > all heads: dropped; 12 added
+        full = _one(recs, item_id=item, condition="heads", ranking="random", n_heads=n_all)
+        assert [r["recovery"] for r in full] == pytest.approx([1.0] * 2, abs=1e-4)  # every head: the new run
+    s = knockout.summarize(recs, cfg)
+    random_12 = next(p for p in s["heads"]["curves"]["random"] if p["n_heads"] == 12)
+    assert random_12["n"] <= 2  # items, not draws
+    assert s["decision"]["random_matched"]["n"] <= 2 and "top_minus_random" in s["after_notes"]
