@@ -78,11 +78,20 @@ def linear_records() -> list[dict]:
             commit = int(RNG.integers(3, LAYERS))
             rows.append({"condition": "prompt", "item_id": f"gated-polarity/{i}", "domain": DOMAINS[i % 3],
                          "template_id": f"t{i % 3}", "prompt": which, "label": "a", "label_index": 0,
-                         "polarity": "if", "probe_pos": 30, "final_pick": "a", "commit_layer": commit,
-                         "rel_commit": commit / (LAYERS - 1)})
-    rows += [{"condition": "layer", "layer": layer, "rel_layer": layer / (LAYERS - 1),
-              "accuracy": min(1.0, 0.5 + 0.15 * layer), "n_prompts": 2 * N_ITEMS, "n_groups": 3}
-             for layer in range(LAYERS)]
+                         "model_label_index": i % 2, "polarity": "if", "probe_pos": 30, "final_pick": "a",
+                         "commit_layer": commit, "rel_commit": commit / (LAYERS - 1), "n_aggregators": 3})
+    rows += [{"condition": "layer", "label": "truth", "token": "last_aggregator", "layer": layer,
+              "rel_layer": layer / (LAYERS - 1), "accuracy": min(1.0, 0.5 + 0.15 * layer), "n_correct": 0,
+              "n_prompts": 2 * N_ITEMS, "ci_lo": 0.4, "ci_hi": 1.0, "n_groups": 3} for layer in range(LAYERS)]
+    for label, top in (("truth", 1.0), ("model", 0.8)):  # the model's own answer never reaches 0.9
+        for agg in range(3):
+            rows += [{"condition": "probe", "label": label, "aggregator": agg, "segment": "task",
+                      "downstream_frac": 0.9 - 0.1 * agg, "layer": layer, "rel_layer": layer / (LAYERS - 1),
+                      "accuracy": min(top, 0.5 + 0.12 * layer - 0.05 * agg), "ci_lo": 0.3, "ci_hi": 1.0,
+                      "n_correct": 5, "n_prompts": 2 * N_ITEMS, "n_groups": 3} for layer in range(LAYERS)]
+        rows += [{"condition": "probe_mean", "label": label, "layer": layer, "rel_layer": layer / (LAYERS - 1),
+                  "accuracy": min(top, 0.45 + 0.1 * layer), "ci_lo": 0.3, "ci_hi": 1.0, "n_aggregators": 3,
+                  "n_prompts": 2 * N_ITEMS, "n_groups": 3} for layer in range(LAYERS)]
     return rows
 
 
@@ -92,18 +101,30 @@ def knockout_records() -> list[dict]:
         b = item_base(i)
         rows.append({**b, "condition": "mass", "mass_field": 0.002, "mass_downstream": 0.5, "mass_sink": 0.3,
                      "mass_other": 0.1, "mass_self": 0.098})
-        rev = {"top": 0.9, "field": 0.0, "sink": 0.1}
-        rows += [{**b, "condition": c, "n_keys": 4.0, "reversion": v, "reverted": v > 0.5} for c, v in rev.items()]
-        rows += [{**b, "condition": "random", "n_keys": 4.0, "draw": float(d), "reversion": 0.05, "reverted": False} for d in range(2)]
-        for f in (0.05, 0.1, 0.25, 0.5, 1.0):
-            v = min(1.0, 2 * f) + RNG.normal(0, 0.05)
-            rows.append({**b, "condition": "dose", "fraction": f, "n_keys": 2.0, "reversion": v, "reverted": v > 0.5})
-        for band, v in (("early", 0.0), ("mid", 0.3), ("late", 0.4), ("all", 1.0)):
-            rows.append({**b, "condition": "band", "band": band, "n_keys": 4.0, "reversion": v, "reverted": bool(RNG.uniform() < v)})
-        rows.append({**b, "condition": "heads_top", "n_heads": 12.0, "heads": "[(1, 0)]", "recovery": 0.75})
-        rows += [{**b, "condition": "heads_random", "n_heads": 12.0, "draw": float(d), "heads": "[(0, 1)]",
-                  "recovery": RNG.normal(0, 0.02)} for d in range(2)]
-    return [{"score": 0.0, **r} for r in rows]
+        for variant, shift in (("decision", 0.0), ("after_notes", 0.3)):
+            v = {"variant": variant}
+            rev = {"top": 0.9 + shift + (1.5 if i == 0 else 0.0), "field": 0.0, "sink": 0.1}  # item 0 overshoots
+            rows += [{**b, **v, "condition": c, "n_keys": 4.0, "reversion": x} for c, x in rev.items()]
+            rows += [{**b, **v, "condition": "random_matched", "n_keys": 4.0, "draw": float(d), "distance_gap": 1.0,
+                      "reversion": RNG.normal(0.05, 0.3)} for d in range(2)]
+            for f in (0.05, 0.1, 0.25, 0.5, 1.0):
+                rows.append({**b, **v, "condition": "dose", "fraction": f, "n_keys": 2.0,
+                             "reversion": min(1.0, 2 * f) + shift + RNG.normal(0, 0.05)})
+                rows += [{**b, **v, "condition": "dose_random", "fraction": f, "n_keys": 2.0, "draw": float(d),
+                          "reversion": f + RNG.normal(0, 0.05)} for d in range(2)]
+        for band, x in (("early", 0.0), ("mid", 0.3), ("late", 0.4), ("all", 1.0)):
+            rows.append({**b, "variant": "decision", "condition": "band", "band": band, "n_keys": 4.0,
+                         "reversion": x + RNG.normal(0, 0.3)})
+        for k in (1, 2, 4, 8, 12, 16):
+            rows += [{**b, "condition": "heads", "ranking": rk, "n_heads": float(k), "heads": "[(1, 0)]",
+                      "recovery": min(1.0, 0.05 * k * (2 if rk == "effect" else 1))} for rk in ("attention", "effect")]
+            rows += [{**b, "condition": "heads", "ranking": "random", "n_heads": float(k), "draw": float(d),
+                      "heads": "[(0, 1)]", "recovery": RNG.normal(0, 0.02)} for d in range(2)]
+    out = [{"score": 0.0, **r} for r in rows]
+    for r in out:
+        if "reversion" in r:
+            r |= {"reverted": 0.5 <= r["reversion"] <= 1.5, "overshoot": r["reversion"] > 1.5, "away": r["reversion"] < 0}
+    return out
 
 
 def edit_rows(i: int, strategy: str, correct: bool, frac: float, extra: dict | None = None) -> dict:
@@ -116,7 +137,8 @@ def edit_rows(i: int, strategy: str, correct: bool, frac: float, extra: dict | N
 
 def edit_records() -> list[dict]:
     strategies = {"stale": (False, 0.002), "oracle": (True, 1.0), "field_only": (False, 0.005),
-                  "erratum": (True, 0.14), "selective_recompute@8": (True, 0.03), "cacheblend@15%": (False, 0.2)}
+                  "erratum": (True, 0.14), "selective_recompute@8": (True, 0.03), "cacheblend@15%": (False, 0.2),
+                  "selective_copy@8": (True, 0.025), "selective_recompute_att@8": (False, 0.03)}
     rows = [edit_rows(i, s, c, f) for i in range(N_ITEMS) for s, (c, f) in strategies.items()]
     rows += [edit_rows(i, s, True, f, {"cot": True}) for i in range(N_ITEMS)
              for s, f in (("stale+cot", 0.0), ("oracle+cot", 1.0), ("field_only+cot", 0.005))]
@@ -378,6 +400,81 @@ def test_figures_cli(results, tmp_path, capsys):
     assert (tmp_path / "agent.png").exists() and (tmp_path / "ksweep.pdf").exists()
     assert "made" in capsys.readouterr().out
     assert figures_cli.main(["--results", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The figure a make() draws, kept open instead of saved."""
+    from analysis import style
+
+    figs = []
+    monkeypatch.setattr(style, "finish", lambda fig, *a, **k: figs.append(fig) or [])
+    yield figs
+    for f in figs:
+        style.plt.close(f)
+
+
+def _visible(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+def test_knockout_dose_keeps_attention_share_and_recovery_on_separate_axes(frame, captured, tmp_path):
+    from analysis.figures import knockout_dose
+
+    knockout_dose.make(frame[frame["model"] == "llama"], tmp_path)
+    labels = [ax.get_ylabel() for ax in _visible(captured[0])]
+    assert not [y for y in labels if "attention" in y and "recovery" in y]
+    assert any("attention" in y for y in labels) and "recovery" in labels
+    titles = " ".join(ax.get_title() for ax in captured[0].axes)
+    assert "signed reversion" in titles and "read heads" in titles
+    ticks = " ".join(t.get_text() for ax in captured[0].axes for t in ax.get_xticklabels())
+    assert "over 1" in ticks  # the overshooting item is counted apart from the reverted ones
+
+
+def test_edit_frontier_draws_one_legend_and_keeps_oracle_strategies_off_the_line(frame, captured, tmp_path):
+    from analysis.figures import edit_frontier
+
+    edit_frontier.make(frame, tmp_path)
+    fig = captured[0]
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 1
+    texts = [t.get_text() for t in legends[0].get_texts()]
+    assert len(texts) == len(set(texts))
+    assert "selective_copy@8 (needs the oracle)" in texts and "selective_recompute@8 (needs the oracle)" in texts
+    assert not any(t.startswith("selective_recompute_att") and "oracle" in t for t in texts)
+    pts = pd.DataFrame({"strategy": ["stale", "selective_copy@8", "erratum", "oracle"],
+                        "x": [0.0, 0.02, 0.14, 1.0], "mean": [0.0, 1.0, 0.9, 1.0]})
+    assert list(edit_frontier.frontier(pts)["strategy"]) == ["stale", "erratum", "oracle"]
+
+
+def test_edit_frontier_charges_cot_for_its_reasoning_and_leaves_out_empty_panels(frame, captured, tmp_path):
+    from analysis.figures import edit_frontier
+
+    ed = frame[frame["job"] == "edit"].copy()
+    with_gen = ed.assign(generated_tokens=np.where(aggregate.to_float(ed["cot"]) > 0, 40.0, np.nan))
+    costed, note = edit_frontier.with_cost(with_gen, frame)
+    cot = costed[costed["strategy"] == "field_only+cot"]
+    assert np.allclose(cot["cost"], 0.005 + 40 / 400) and note == ""
+    costed, note = edit_frontier.with_cost(ed, frame)  # no count recorded: the cot_tokens budget
+    assert np.allclose(costed.loc[costed["strategy"] == "field_only+cot", "cost"], 0.005 + 48 / 400)
+    assert "upper bound" in note
+    none_usable = ed["model"] == "qwen"
+    ed.loc[none_usable, "usable_p_correct"] = False
+    edit_frontier.make(ed, tmp_path)
+    titles = [ax.get_title() for ax in _visible(captured[-1])]
+    assert len(titles) == 3 and not any(t.startswith("qwen: P(correct)") for t in titles)
+
+
+def test_probe_depth_shows_both_labels_and_why_no_write_depth(frame, captured, tmp_path):
+    from analysis.figures import probe_depth
+
+    probe_depth.make(frame[frame["model"] == "llama"], tmp_path)
+    axes = _visible(captured[0])
+    assert [ax.get_title().split(": ")[1].split(" (")[0] for ax in axes] == [
+        "label = correct conclusion", "label = the model's own answer"]
+    model_texts = " ".join(t.get_text() for t in axes[1].texts)
+    assert "never reaches 0.9: best 0.80" in model_texts
+    assert any("write depth" in t.get_text() for t in axes[0].get_legend().get_texts())
 
 
 # --- report -----------------------------------------------------------------------------------
