@@ -2,10 +2,13 @@
 
 A block prefilled alone at positions 0..L-1 is saved as one safetensors file: `k.<layer>` and
 `v.<layer>` ([1, kv_head, L, d_head], post-RoPE keys, in the model's dtype) and `ids` ([1, L]),
-with metadata naming the model, its weights checksum, its rotary configuration and the dtype.
-K/V are only meaningful under the exact weights and rotary frequencies that wrote them, so
-loading checks all three and refuses a mismatch with the differing fields; tensors are mapped
-from the file (safetensors mmap) rather than read, so loading costs O(1) until they are touched.
+with metadata naming the model, the weights it was prefilled under, its rotary configuration,
+the dtype and a sha256 of the content (every tensor's bytes and the other metadata). K/V are only
+meaningful under the exact weights and rotary frequencies that wrote them, so loading checks all
+three and refuses a mismatch with the differing fields; the weights are identified by what was
+loaded (the digest of the converted files, a hub commit, or a fingerprint of the parameters),
+not by a registry pin. Loading re-hashes the content, so a flipped byte in K/V or ids is refused
+rather than spliced; tensors are mapped from the file (safetensors mmap), read once by that hash.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from kvnotes.cache import KVCache
 from kvnotes.compose import Block
 from kvnotes.models.loading import LoadedModel
 
-FORMAT = "kvnotes-block/1"
+FORMAT = "kvnotes-block/2"  # /1 had no content checksum
 SUFFIX = ".safetensors"
 
 
@@ -35,11 +38,17 @@ class BlockMismatchError(StoreError):
     """The block was prefilled by another model, rotary configuration or dtype."""
 
 
-def weights_id(model: LoadedModel) -> str:
-    """The weights checksum when the registry has one, else a fingerprint of the parameters.
+class BlockDamagedError(StoreError):
+    """The block's content differs from what was saved (its checksum does not match)."""
 
-    The fingerprint hashes every parameter's name, shape, dtype and first 4096 values, which is
-    cheap at any model size and tells two random initialisations apart.
+
+def weights_id(model: LoadedModel) -> str:
+    """What identifies the loaded weights: `model.checksum`, else a fingerprint of the parameters.
+
+    `load_model` sets the checksum from what it loaded: the sha256 digest of a packaged model's
+    converted files (checked against their record at load) or a hub checkpoint's commit. The
+    fingerprint, for a wrapped or local model, hashes every parameter's name, shape, dtype and
+    first 4096 values, which is cheap at any model size and tells two random initialisations apart.
     """
     if model.checksum:
         return str(model.checksum)
@@ -82,18 +91,24 @@ class BlockInfo:
     n_layers: int
     format: str = FORMAT
     text: str = ""
+    sha256: str = ""  # of the content: `content_sha256(tensors, metadata without this field)`
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, str], path: Path) -> BlockInfo:
+        if meta.get("format") == "kvnotes-block/1":
+            raise StoreError(f"{path}: block written by an older kvnotes (kvnotes-block/1, no "
+                             f"content checksum); save it again")
         if meta.get("format") != FORMAT:
             raise StoreError(f"{path}: not a kvnotes block (format {meta.get('format')!r}, "
                              f"expected {FORMAT!r})")
         try:
             return cls(meta["name"], meta["model"], meta["weights"], meta["rope"], meta["dtype"],
                        int(meta["length"]), int(meta["n_layers"]), meta["format"],
-                       meta.get("text", ""))
+                       meta.get("text", ""), meta["sha256"])
         except KeyError as e:
             raise StoreError(f"{path}: block metadata lacks {e.args[0]!r}") from None
+        except ValueError as e:
+            raise StoreError(f"{path}: damaged block metadata ({e})") from None
 
     def to_metadata(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.__dict__.items()}
@@ -112,6 +127,19 @@ class BlockInfo:
         if self.dtype != dtype_name(model.dtype):
             out.append(f"dtype: block {self.dtype}, loaded {dtype_name(model.dtype)}")
         return out
+
+
+def content_sha256(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> str:
+    """sha256 of every tensor (name, dtype, shape, raw bytes; sorted by name) and the metadata."""
+    h = hashlib.sha256()
+    for key in sorted(meta):
+        if key != "sha256":
+            h.update(f"{key}={meta[key]}\0".encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{dtype_name(t.dtype)}:{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # raw bytes, any dtype (bf16 too)
+    return h.hexdigest()
 
 
 def block_path(root: str | os.PathLike[str], name: str) -> Path:
@@ -140,8 +168,10 @@ def save_block(
                      dtype_name(block.cache.dtype), len(block), block.cache.n_layers, text=text)
     if info.dtype != dtype_name(model.dtype):
         raise ValueError(f"block dtype {info.dtype} differs from the model's {dtype_name(model.dtype)}")
+    meta = info.to_metadata()
+    meta["sha256"] = content_sha256(tensors, meta)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=info.to_metadata())
+    save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
     return path
 
@@ -162,11 +192,14 @@ def read_info(path: str | os.PathLike[str]) -> BlockInfo:
 
 
 def load_block(
-    path: str | os.PathLike[str], model: LoadedModel, device: torch.device | str | None = None
+    path: str | os.PathLike[str], model: LoadedModel, device: torch.device | str | None = None,
+    verify: bool = True,
 ) -> Block:
     """The block stored at `path`, checked against `model`; tensors stay memory-mapped on CPU.
 
-    Raises `BlockMismatchError` listing every field (model, weights, rope, dtype) that differs.
+    Raises `BlockMismatchError` listing every field (model, weights, rope, dtype) that differs,
+    and `BlockDamagedError` when the content no longer hashes to the checksum saved with it
+    (`verify=False` skips that hash, which reads every byte once).
     `device` other than CPU copies the tensors there; by default they stay on CPU (zero-copy) and
     `compose.transplant` moves them while rotating.
     """
@@ -180,10 +213,24 @@ def load_block(
             f"stored block {info.name!r} ({path}) was prefilled under another configuration and "
             f"cannot be spliced into this model: " + "; ".join(bad)
         )
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        ids = f.get_tensor("ids")
-        keys = tuple(f.get_tensor(f"k.{i}") for i in range(info.n_layers))
-        values = tuple(f.get_tensor(f"v.{i}") for i in range(info.n_layers))
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise StoreError(f"{path}: unreadable safetensors file ({e})") from e
+    if verify and (got := content_sha256(tensors, meta)) != info.sha256:
+        raise BlockDamagedError(
+            f"stored block {info.name!r} ({path}) is damaged: its content hashes to "
+            f"{got[:16]}..., saved as {info.sha256[:16]}... (a changed byte in K/V, ids or "
+            f"metadata); save it again"
+        )
+    try:
+        ids = tensors["ids"]
+        keys = tuple(tensors[f"k.{i}"] for i in range(info.n_layers))
+        values = tuple(tensors[f"v.{i}"] for i in range(info.n_layers))
+    except KeyError as e:
+        raise StoreError(f"{path}: stored block lacks tensor {e.args[0]!r}") from None
     cache = KVCache(keys, values)
     if device is not None and torch.device(device) != torch.device("cpu"):
         cache = cache.to(device=device)
