@@ -5,23 +5,33 @@ bring the cache up to date: `erratum` appends an update line (the prefix and its
 byte-identical, as a serving prefix cache wants), `field_only` rewrites the value's own K/V
 (cheap, and mostly ignored by the model: its conclusions live in later note tokens),
 `selective` also recomputes the K most-attended note positions, `full_downstream` recomputes
-everything from the value on, `oracle` re-prefills. The result works with `model.generate`.
+everything from the value on, `oracle` re-prefills. `transplant` splices precompiled blocks (from
+`kvnotes.compose` or the store) into the prompt, each rotated to where it lands, its first `seam`
+tokens recomputed (seam = block length is exact). The result works with `model.generate` and,
+through `cache.to_dynamic()`, with nnsight:
+
+    r = EditableCache(model, prompt).edit("account_role: admin", "account_role: guest")
+    with model.nnsight.trace(torch.tensor([r.ids[-1:]]), past_key_values=r.cache.to_dynamic()):
+        logits = model.nnsight.output.logits.save()  # = model.hf on that cache, bit for bit
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvnotes.cache import KVCache
+from kvnotes.compose import Block, transplant
 from kvnotes.edit import ERRATA
 from kvnotes.models.loading import LoadedModel
 from kvnotes.run import extend, prefill, read_variants, recompute
 
 STRATEGIES = ("erratum", "field_only", "selective", "full_downstream", "oracle")
+BlockLike = Block | str | os.PathLike[str]  # a block, or the path of a stored one
 
 
 class EditError(ValueError):
@@ -46,12 +56,17 @@ class EditResult:
         return extend(self.model, self.cache, list(self.ids[-1:])).logits[0, -1]
 
     def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> str:
-        """Greedy continuation from the edited cache (`model.generate` on a DynamicCache)."""
+        """Continuation from the edited cache (`model.generate` on a DynamicCache).
+
+        Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
+        `temperature`, `top_p`, a `generation_config`, ...).
+        """
         x = torch.tensor([self.ids], device=self.model.device)
+        gen = {"do_sample": False, **kwargs}
         out = self.model.hf.generate(  # type: ignore[operator]
             input_ids=x, attention_mask=torch.ones_like(x),
             past_key_values=self.cache.to(device=self.model.device).to_dynamic(),
-            max_new_tokens=max_new_tokens, do_sample=False, **kwargs,
+            max_new_tokens=max_new_tokens, **gen,
         )
         return str(self.model.tokenizer.decode(out[0, x.shape[1]:], skip_special_tokens=True))
 
@@ -144,6 +159,47 @@ class EditableCache:
         cache = extend(self.model, self.cache.slice(0, min(b, self.cache.seq_len)),
                        list(ids[min(b, self.cache.seq_len):-1])).cache
         return EditResult(self.model, ids, cache, "erratum", len(ids) - 1 - min(b, self.cache.seq_len))
+
+
+    def transplant(self, blocks: BlockLike | Sequence[BlockLike], seam: int = 0,
+                   insert_before: str | None = None) -> EditResult:
+        """The prompt with precompiled blocks spliced in before `insert_before` (default: the end).
+
+        Blocks (or paths of stored ones, checked by `kvnotes.store.load_block`) are placed in
+        order by `kvnotes.compose.transplant`: keys rotated to where they land, the first `seam`
+        tokens of each recomputed against everything before them (seam >= a block's length:
+        exact). The prompt's cache is kept up to the insertion point and its remaining tokens are
+        recomputed after the blocks.
+        """
+        from kvnotes.store import load_block
+
+        items = [blocks] if isinstance(blocks, Block | str | os.PathLike) else list(blocks)
+        if not items:
+            raise EditError("nothing to transplant: give a Block, a stored block's path, or a list")
+        blks = [b if isinstance(b, Block) else load_block(b, self.model) for b in items]
+        if any(b.cache.n_layers != self.model.n_layers for b in blks):
+            raise EditError("a block was prefilled by a model with another number of layers")
+        b = len(self.ids)
+        if insert_before is not None:
+            if (n := self.prompt.count(insert_before)) != 1:
+                raise EditError(f"insert_before {insert_before!r} occurs {n} times in the prompt; "
+                                f"give a unique text")
+            b = self._boundary(self.prompt.index(insert_before))
+            if b == 0:
+                raise EditError("blocks go after at least one prompt token")
+        if b <= self.cache.seq_len:
+            head = self.cache.slice(0, b)
+        else:  # the prompt's last token has no K/V yet
+            head = extend(self.model, self.cache, list(self.ids[self.cache.seq_len:b])).cache
+        new = tuple(int(t) for blk in blks for t in blk.ids[0].tolist())
+        ids = self.ids[:b] + new + self.ids[b:]
+        cache = transplant(self.model, head, blks, seam)  # prompt[:b] + blocks
+        cache = cache.slice(0, min(cache.seq_len, len(ids) - 1))
+        rest = list(ids[cache.seq_len:-1])
+        if rest:
+            cache = extend(self.model, cache, rest).cache
+        recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
+        return EditResult(self.model, ids, cache, "transplant", recomputed)
 
 
 def demo_prompt() -> str:

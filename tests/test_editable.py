@@ -1,9 +1,10 @@
-"""EditableCache on a tiny model: identities and clear errors."""
+"""EditableCache on a tiny model: identities, transplanted blocks, generation and clear errors."""
 
 import pytest
+import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import EditableCache, EditError, run
+from kvnotes import EditableCache, EditError, compose, run, store
 from kvnotes.editable import demo_prompt
 from kvnotes.models.tiny import tiny_model
 
@@ -44,3 +45,48 @@ def test_errors_name_what_works(ec):
         ec.edit("account_role: admin", "x", strategy="magic")
     with pytest.raises(EditError, match="erratum' or 'full_downstream"):
         ec.edit("admin\n", "a much longer role name\n", strategy="field_only")
+
+
+def test_generate_passes_sampling_kwargs_through(ec):
+    r = ec.edit("account_role: admin", "account_role: guest", strategy="erratum")
+    torch.manual_seed(0)
+    a = r.generate(max_new_tokens=4, do_sample=True, top_k=5, temperature=2.0)
+    torch.manual_seed(0)
+    assert r.generate(max_new_tokens=4, do_sample=True, top_k=5, temperature=2.0) == a
+    assert r.generate(max_new_tokens=4, do_sample=False) == r.generate(max_new_tokens=4)
+
+
+@pytest.mark.parametrize("insert_before", [None, "Request:"])
+def test_transplant_with_full_seam_equals_clean_prefill(ec, insert_before):
+    blk = compose.prefill_block(ec.model, ec._encode("Skill: refunds need a receipt.\n"))
+    r = ec.transplant(blk, seam=len(blk), insert_before=insert_before)
+    assert r.strategy == "transplant" and len(r.ids) == len(ec.ids) + len(blk)
+    assert r.cache.seq_len == len(r.ids) - 1
+    assert (r.next_token_logits() - _ref(ec, r.ids)).abs().max().item() <= ATOL_FP32
+    if insert_before is not None:
+        n = len(ec._encode(demo_prompt()[: demo_prompt().index(insert_before)]))
+        assert r.ids[:n] == ec.ids[:n] and r.ids[n : n + len(blk)] == tuple(blk.ids[0].tolist())
+        assert r.ids[n + len(blk):] == ec.ids[n:]
+
+
+def test_transplant_stored_blocks_then_generate(ec, tmp_path):
+    blocks = [compose.prefill_block(ec.model, ec._encode(t)) for t in ("Skill A.\n", "Skill B.\n")]
+    paths = [store.save_block(tmp_path / f"{i}.safetensors", ec.model, b) for i, b in enumerate(blocks)]
+    from_store = ec.transplant(paths, seam=2, insert_before="Request:")
+    in_memory = ec.transplant(blocks, seam=2, insert_before="Request:")
+    assert from_store.ids == in_memory.ids and from_store.cache.max_abs_diff(in_memory.cache) == 0.0
+    n_rest = len(ec.ids) - len(ec._encode(demo_prompt()[: demo_prompt().index("Request:")])) - 1
+    assert from_store.recomputed == 2 + 2 + n_rest
+    assert isinstance(from_store.generate(max_new_tokens=2), str)
+
+
+def test_transplant_errors(ec, tmp_path):
+    blk = compose.prefill_block(ec.model, ec._encode("Skill.\n"))
+    with pytest.raises(EditError, match="nothing to transplant"):
+        ec.transplant([])
+    with pytest.raises(EditError, match="occurs 0 times"):
+        ec.transplant(blk, insert_before="Nowhere:")
+    other = tiny_model("llama", seed=1)  # same architecture, other weights
+    path = store.save_block(tmp_path / "b.safetensors", other, compose.prefill_block(other, [5, 6, 7]))
+    with pytest.raises(store.BlockMismatchError, match="weights"):
+        ec.transplant(path)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from jaxtyping import Int
+from tolerances import ATOL_FP32
 from torch import Tensor, nn
 
 from kvnotes.interp import patch_head_outputs, residual_stream
@@ -193,6 +194,33 @@ def test_patch_across_invokes_in_one_trace(tiny):
                 _first(envoy.output)[:, pos] = donor
                 logits = tiny.nnsight.output.logits.save()
     assert (logits.float() - manual_patch(tiny, module, dst, src, pos)).abs().max().item() <= ATOL
+
+
+# --- tracing on an edited cache ----------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trace_on_an_edited_cache_matches_exactly(family):
+    """The documented recipe: an edit's cache, as a DynamicCache, is the `past_key_values` of an
+    nnsight trace over the prompt's last token. Logits and layer outputs equal the HF forward on
+    that cache bit for bit, and kvnotes' own `next_token_logits` within fp32 rounding (kvnotes
+    may run another attention kernel)."""
+    from kvnotes import EditableCache
+    from kvnotes.editable import demo_prompt
+
+    model = tiny_model(family)  # with the character tokenizer EditableCache needs
+    edit = EditableCache(model, demo_prompt()).edit("account_role: admin", "account_role: guest",
+                                                    strategy="full_downstream")
+    last = torch.tensor([edit.ids[-1:]])  # [1, 1]
+    layer = model.adapter.layers(model.hf)[2]
+    envoy = model.nnsight.get(_module_path(model, layer))
+    with torch.no_grad():
+        with model.nnsight.trace(last, past_key_values=edit.cache.to_dynamic()):
+            hidden = _first(envoy.output).save()
+            logits = model.nnsight.output.logits.save()
+    ref: dict[str, Tensor] = {}
+    with torch.no_grad(), hooked(layer, lambda m, args, out: ref.__setitem__("x", _first(out).clone())):
+        hf_logits = model.hf(input_ids=last, past_key_values=edit.cache.to_dynamic()).logits
+    assert torch.equal(hidden, ref["x"]) and torch.equal(logits, hf_logits)
+    assert (logits[0, -1] - edit.next_token_logits()).abs().max().item() <= ATOL_FP32
 
 
 # --- kvnotes.interp ---------------------------------------------------------------------------------
