@@ -27,7 +27,7 @@ import torch
 from experiments.config import ConfigError
 from experiments.registry import register
 from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree
-from probes._common import ci_dict
+from probes._common import ci_dict, prop_dict
 
 if TYPE_CHECKING:
     from experiments.run import Context
@@ -117,6 +117,11 @@ def torch_threads(n: int | None) -> Iterator[None]:
 def ci(values: Any, n_boot: int) -> dict[str, float | int]:
     """mean, ci_lo, ci_hi, n of the finite values (95 % percentile bootstrap), as every summary."""
     return ci_dict(np.asarray(values, dtype=float).ravel().tolist(), n_boot=n_boot)
+
+
+def prop(values: Any) -> dict[str, Any]:
+    """A share of 0/1 outcomes (agreement, accuracy) with its 95 % Wilson interval and k of n."""
+    return prop_dict(np.asarray(values, dtype=float).ravel().tolist())
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, decision_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -212,11 +217,11 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeConfig) -> dict[str, An
     def stats(g: pd.DataFrame) -> dict[str, Any]:
         return {
             "cosine": ci(g["cosine"], cfg.n_boot),
-            "top1_agree": ci(g["top1_agree"].astype(float), cfg.n_boot),
+            "top1_agree": prop(g["top1_agree"].astype(float)),
             "kl": ci(g["kl"], cfg.n_boot),
-            "decision_agree": ci(g["decision_agree"].astype(float), cfg.n_boot),
-            "accuracy": ci(g["correct"].astype(float), cfg.n_boot),
-            "accuracy_full": ci(g["correct_ref"].astype(float), cfg.n_boot),
+            "decision_agree": prop(g["decision_agree"].astype(float)),
+            "accuracy": prop(g["correct"].astype(float)),
+            "accuracy_full": prop(g["correct_ref"].astype(float)),
         }
 
     out["n_items"] = int(fid["item_id"].nunique())

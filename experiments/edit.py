@@ -27,7 +27,7 @@ from kvnotes.edit import ERRATA, Editor, EditState
 from kvnotes.metrics import recovery
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide, outcome_logits
-from probes._common import ci_dict
+from probes._common import ci_dict, prop_dict, range_dict
 
 if TYPE_CHECKING:
     from experiments.run import Context
@@ -178,7 +178,8 @@ def _edit_states(ed: Editor, cfg: EditConfig) -> list[EditState]:
 
 
 def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] = ("strategy",)) -> dict[str, Any]:
-    """Per strategy: p_correct, recovery, recompute_fraction, time_ratio with mean, CI and n."""
+    """Per strategy: p_correct (Wilson interval), recovery and recompute_fraction (bootstrap CI),
+    time_ratio (mean, median and min-max range over items: one timing each is no sample for a CI)."""
     rows = list(records)
     keys = sorted({tuple(str(r.get(g)) for g in group) for r in rows})
     out: dict[str, Any] = {}
@@ -187,10 +188,10 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
         p_rows = [r for r in sel if r["usable_p_correct"]]
         r_rows = [r for r in sel if r["usable_recovery"]]
         out["/".join(key)] = {
-            "p_correct": ci_dict(float(r["correct"]) for r in p_rows),
+            "p_correct": prop_dict(float(r["correct"]) for r in p_rows),
             "recovery": ci_dict(r["recovery"] for r in r_rows),
             "recompute_fraction": ci_dict(r["recompute_fraction"] for r in sel),
-            "time_ratio": ci_dict(r["time_ratio"] for r in sel),
+            "time_ratio": range_dict(r["time_ratio"] for r in sel),
         }
     items = {r["item_id"]: r for r in rows}
     return {

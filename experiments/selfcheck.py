@@ -18,7 +18,7 @@ import pandas as pd
 
 from experiments.config import SelfcheckConfig
 from experiments.registry import register
-from kvnotes.metrics import bootstrap_ci
+from kvnotes.metrics import bootstrap_ci, proportion_ci
 
 if TYPE_CHECKING:
     from experiments.run import Context
@@ -75,7 +75,7 @@ def summarize(records: list[dict[str, Any]], cfg: SelfcheckConfig) -> dict[str, 
     seams: dict[str, Any] = {}
     for k, g in df.groupby("seam", sort=True):
         mean, lo, hi, n = bootstrap_ci(g["cosine"], n_boot=cfg.n_boot)
-        agree, alo, ahi, _ = bootstrap_ci(g["top1_agree"].astype(float), n_boot=cfg.n_boot)
+        agree, alo, ahi, _ = proportion_ci(g["top1_agree"].astype(float))  # Wilson: a share of blocks
         seams[str(k)] = {
             "cosine": mean, "cosine_lo": lo, "cosine_hi": hi, "n": n,
             "top1_agree": agree, "top1_lo": alo, "top1_hi": ahi,

@@ -6,9 +6,10 @@ recovery  = (score_state - score_stale) / (score_oracle - score_stale): 0 behave
             below `min_denominator`, so such items are counted as skipped, not averaged in.
 cosine    = <a, b> / (|a| |b|) over the full fp32 vocabulary of two next-token logit vectors.
 KL        = sum_v p_ref(v) (log p_ref(v) - log p_other(v)) with p = softmax(logits) in fp32.
-Aggregates carry n and a percentile bootstrap CI of the mean over the finite values;
-proportions (k successes of n) carry a Wilson score interval, which is never zero-width
-(30/30 gives [0.886, 1]) and keeps inside [0, 1].
+Aggregates carry n and a percentile bootstrap CI of the mean over the finite values
+(scipy.stats.bootstrap, seeded; rows of one item, such as random draws, averaged per item
+first); proportions (k successes of n) carry a Wilson score interval, which is never
+zero-width (30/30 gives [0.886, 1]) and keeps inside [0, 1].
 """
 
 from __future__ import annotations
@@ -66,33 +67,72 @@ def top1_agree(a: Logits, b: Logits) -> Bool[Tensor, "*batch"]:
     return a.argmax(dim=-1) == b.argmax(dim=-1)
 
 
+def unit_means(values: ArrayLike | Sequence[float], units: Sequence[object] | None = None) -> np.ndarray:
+    """The finite values, averaged within each unit first when `units` (one label per value) is given.
+
+    Random draws, repeats or layers of one item are not independent items: an interval over
+    items must resample items, so their rows are averaged per item before the bootstrap.
+    """
+    x = np.asarray(_cpu(values), dtype=np.float64).ravel()
+    if units is None:
+        return x[np.isfinite(x)]
+    labels = list(units)
+    if len(labels) != x.size:
+        raise ValueError(f"units has {len(labels)} labels for {x.size} values")
+    sums: dict[object, list[float]] = {}
+    for u, v in zip(labels, x, strict=True):
+        if np.isfinite(v):
+            acc = sums.setdefault(u, [0.0, 0.0])
+            acc[0] += float(v)
+            acc[1] += 1.0
+    return np.array([a / b for a, b in sums.values()], dtype=np.float64)
+
+
 def bootstrap_ci(
     values: ArrayLike | Sequence[float],
-    n_boot: int = 1000,
+    n_boot: int = 2000,
     ci: float = 0.95,
     seed: int = 0,
+    units: Sequence[object] | None = None,
 ) -> tuple[float, float, float, int]:
-    """(mean, lo, hi, n) of the finite values; percentile bootstrap of the mean, seeded.
+    """(mean, lo, hi, n) of the finite values: percentile bootstrap of the mean
+    (scipy.stats.bootstrap, seeded), the one implementation behind summaries and the report.
 
-    NaN and inf are ignored (n counts what is left); no values gives (nan, nan, nan, 0).
+    With `units`, values are averaged per unit first and n counts units. NaN and inf are
+    ignored; no values gives (nan, nan, nan, 0); one value has no spread to resample and gives
+    a NaN interval; identical values give a zero-width one.
     """
     if not 0.0 < ci < 1.0:
         raise ValueError(f"ci must be in (0, 1), got {ci}")
-    x = np.asarray(_cpu(values), dtype=np.float64).ravel()
-    x = x[np.isfinite(x)]
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    x = unit_means(values, units)
     n = int(x.size)
     if n == 0:
         return (float("nan"), float("nan"), float("nan"), 0)
-    rng = np.random.default_rng(seed)
-    means = np.empty(n_boot)
-    chunk = max(1, 2_000_000 // n)  # resample in chunks: at most ~2M draws in memory at once
-    for start in range(0, n_boot, chunk):
-        stop = min(n_boot, start + chunk)
-        idx = rng.integers(0, n, size=(stop - start, n))  # [boot, n]
-        means[start:stop] = x[idx].mean(axis=1)
-    alpha = (1.0 - ci) / 2.0
-    lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
-    return (float(x.mean()), float(lo), float(hi), n)
+    mean = float(x.mean())
+    if n == 1:
+        return (mean, float("nan"), float("nan"), 1)
+    if np.all(x == x[0]):
+        return (mean, mean, mean, n)
+    from scipy.stats import bootstrap
+
+    res = bootstrap((x,), np.mean, n_resamples=n_boot, confidence_level=ci, method="percentile",
+                    vectorized=True, rng=np.random.default_rng(seed))
+    return (mean, float(res.confidence_interval.low), float(res.confidence_interval.high), n)
+
+
+def proportion_ci(
+    values: ArrayLike | Sequence[float], ci: float = 0.95, units: Sequence[object] | None = None
+) -> tuple[float, float, float, int]:
+    """(p, lo, hi, n) of 0/1 outcomes (NaN ignored) with the Wilson interval; with `units`, one
+    outcome per unit is required (a unit whose rows disagree is not a 0/1 outcome)."""
+    x = unit_means(values, units)
+    if not np.all((x == 0.0) | (x == 1.0)):
+        raise ValueError("proportion_ci needs 0/1 outcomes (one per unit)")
+    n = int(x.size)
+    p, lo, hi = wilson_ci(int(x.sum()), n, ci)
+    return (p, lo, hi, n)
 
 
 def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:

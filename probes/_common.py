@@ -1,4 +1,11 @@
-"""What every cache probe shares: item usability by margin, record stamping, summaries with CIs."""
+"""What every cache probe shares: item usability by margin, record stamping, summaries with CIs.
+
+Intervals: means get the percentile bootstrap of kvnotes.metrics (rows of one item, such as
+random draws or positions, averaged per item first, so n counts items); 0/1 outcomes get a
+Wilson interval (`prop_dict`). An item is usable when |score_new - score_old| >= the model's
+margin; the summary states the margin and the rule it came from (kvnotes.margins), and when no
+item is usable it says so in one line with what to try.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.metrics import bootstrap_ci
+from kvnotes import margins
+from kvnotes.metrics import bootstrap_ci, proportion_ci
 from kvnotes.patching import PatchPair, make_pair
 from kvnotes.tasks.item import TaskItem
 
@@ -41,12 +49,25 @@ def run_pairs(
     """The loop every cache probe shares: stale/oracle pair per item, skip it below the margin
     (one `skipped` record saying why), else the probe's own records."""
     m = resolve_margin(model, margin)
+    rule = margin_rule(model, margin)
     records: list[dict[str, Any]] = []
     for item in items:
         pair = make_pair(model, item)
         reason = skip_reason(pair, m)
         records += [skipped_record(pair, m, reason)] if reason else records_of(pair, m)
-    return records
+    return [r if "margin_rule" in r else r | {"margin_rule": rule} for r in records]
+
+
+def margin_rule(model: Any, margin: float | None) -> str:
+    """Where the margin came from, in words: the probe's own setting, or the model's (derived
+    by the rule of kvnotes.margins, or set by hand)."""
+    if margin is not None:
+        return f"set by the probe config (probe.margin={float(margin):g})"
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        return "the default 1.0 (model without a spec)"
+    dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
+    return margins.describe(spec.name, dtype, float(spec.margin))
 
 
 def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any]:
@@ -60,9 +81,30 @@ def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any
     }
 
 
-def ci_dict(values: Iterable[float], n_boot: int = 1000) -> dict[str, float | int]:
-    mean, lo, hi, n = bootstrap_ci(np.asarray(list(values), dtype=np.float64), n_boot=n_boot)
+def ci_dict(values: Iterable[float], n_boot: int = 2000,
+            units: Sequence[object] | None = None) -> dict[str, float | int]:
+    """Mean, 95 % percentile-bootstrap CI and n; with `units`, rows averaged per unit first."""
+    mean, lo, hi, n = bootstrap_ci(np.asarray(list(values), dtype=np.float64), n_boot=n_boot, units=units)
     return {"mean": mean, "ci_lo": lo, "ci_hi": hi, "n": n}
+
+
+def prop_dict(outcomes: Iterable[float | bool], units: Sequence[object] | None = None) -> dict[str, Any]:
+    """A proportion of 0/1 outcomes with its 95 % Wilson interval (never zero-width), k and n."""
+    p, lo, hi, n = proportion_ci(np.asarray([float(v) for v in outcomes], dtype=np.float64), units=units)
+    return {"mean": p, "ci_lo": lo, "ci_hi": hi, "n": n, "k": int(round(p * n)) if n else 0,
+            "interval": "wilson"}
+
+
+def range_dict(values: Iterable[float]) -> dict[str, Any]:
+    """Timings: mean, median, min and max of the finite values, called a min-max range (one timing
+    per item is no sample to bootstrap a 95 % interval from)."""
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return {"mean": float("nan"), "median": float("nan"), "min": float("nan"), "max": float("nan"),
+                "n": 0, "interval": "min-max"}
+    return {"mean": float(x.mean()), "median": float(np.median(x)), "min": float(x.min()),
+            "max": float(x.max()), "n": int(x.size), "interval": "min-max"}
 
 
 def resolve_margin(model: Any, margin: float | None) -> float:
@@ -74,31 +116,47 @@ def resolve_margin(model: Any, margin: float | None) -> float:
 
 
 def skip_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Counts of usable and skipped items, with the margin the records were judged by."""
-    margins = sorted({float(r["margin"]) for r in records if "margin" in r})
+    """Counts of usable and skipped items, with the margin the records were judged by and its
+    rule; with no usable item, `no_usable` says in one line what to try."""
+    margin_values = sorted({float(r["margin"]) for r in records if "margin" in r})
     items = {r["item_id"] for r in records}
     skipped = [r for r in records if r.get("condition") == "skipped"]
     reasons: dict[str, int] = {}
     for r in skipped:
         key = str(r["reason"]).split(" = ")[0] + " < margin"
         reasons[key] = reasons.get(key, 0) + 1
-    return {
-        "margin": margins[0] if len(margins) == 1 else margins,
+    rules = sorted({str(r["margin_rule"]) for r in records if isinstance(r.get("margin_rule"), str)})
+    out: dict[str, Any] = {
+        "margin": margin_values[0] if len(margin_values) == 1 else margin_values,
+        "margin_rule": rules[0] if len(rules) == 1 else (rules or "not recorded"),
         "n_items": len(items),
         "n_usable": len(items) - len({r["item_id"] for r in skipped}),
         "n_skipped": len({r["item_id"] for r in skipped}),
         "skip_reasons": reasons,
     }
+    if items and out["n_usable"] == 0:
+        top = max((abs(float(r["score_oracle"]) - float(r["score_stale"])) for r in skipped), default=float("nan"))
+        out["no_usable"] = margins.no_usable_hint(len(items), out["margin"], top)
+    return out
+
+
+def _per_item(rows: Sequence[Mapping[str, Any]], key: str, n_boot: int) -> dict[str, float | int]:
+    """ci_dict over items: the rows of one item (draws, positions) averaged first."""
+    units = [r.get("item_id", i) for i, r in enumerate(rows)]
+    return ci_dict((float(r[key]) for r in rows), n_boot, units=units)
 
 
 def by_condition(
-    records: Sequence[Mapping[str, Any]], conditions: Sequence[str], key: str = "recovery"
+    records: Sequence[Mapping[str, Any]], conditions: Sequence[str], key: str = "recovery",
+    n_boot: int = 2000,
 ) -> dict[str, Any]:
-    return {c: ci_dict(r[key] for r in records if r.get("condition") == c) for c in conditions}
+    """Mean of `key` per condition over items (an item's rows averaged first), with CI and n."""
+    return {c: _per_item([r for r in records if r.get("condition") == c], key, n_boot) for c in conditions}
 
 
-def curve(records: Sequence[Mapping[str, Any]], condition: str, x: str) -> list[dict[str, Any]]:
-    """Mean recovery with CI at each value of `x` (e.g. layer, or k) for one condition."""
+def curve(records: Sequence[Mapping[str, Any]], condition: str, x: str,
+          n_boot: int = 2000) -> list[dict[str, Any]]:
+    """Mean recovery with CI at each value of `x` (e.g. layer, or k) for one condition, over items."""
     rows = [r for r in records if r.get("condition") == condition]
     xs = sorted({r[x] for r in rows})
-    return [{x: v, **ci_dict(r["recovery"] for r in rows if r[x] == v)} for v in xs]
+    return [{x: v, **_per_item([r for r in rows if r[x] == v], "recovery", n_boot)} for v in xs]

@@ -40,7 +40,7 @@ class PatchingConfig:
     per_layer: bool = True
     batch_size: int = 128  # patched variants read per forward
     unit_size: int = 1  # items per resumable unit
-    n_boot: int = 1000
+    n_boot: int = 2000
 
     def __post_init__(self) -> None:
         if self.margin is not None and self.margin < 0:
@@ -91,9 +91,34 @@ def run(model: LoadedModel, items: Sequence[TaskItem], cfg: PatchingConfig) -> l
     return run_pairs(model, items, cfg.margin, lambda pair, m: item_records(model, pair, cfg, m))
 
 
+def reading(recovery: Mapping[str, Mapping[str, Any]], n_usable: int) -> str | None:
+    """One line on what the recoveries mean; thresholds fixed with the probe, not with a result:
+    the paper's picture is field-only CI below 0.2 with notes-only CI above 0.8."""
+    fo, no, fd = (recovery.get(c) or {} for c in ("field_only", "notes_only", "full_downstream"))
+    if not (n_usable and fo.get("n") and no.get("n")):
+        return None
+
+    def cell(r: Mapping[str, Any]) -> str:
+        return f"{r['mean']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}]"
+    if fo["ci_hi"] < 0.2 and no["ci_lo"] > 0.8:
+        what = "the decision is read from the notes after the field, not from the field (the paper's picture)"
+    elif fo["ci_lo"] > 0.5 and no["ci_hi"] < 0.5:
+        what = "the decision is read from the field itself; the notes after it carry little (unlike the paper)"
+    elif fo["ci_hi"] < 0.5 and no["ci_lo"] > 0.5:
+        what = "the notes after the field carry most of the decision, the field's own K/V some (partly the paper's picture)"
+    else:
+        what = "both the field and the notes after it carry part of the decision (neither picture alone)"
+    return (f"over {n_usable} usable items, patching only the field's K/V moves the decision {cell(fo)} of "
+            f"the way from the old value's to the new one's, only the K/V after the field {cell(no)}, both "
+            f"{cell(fd) if fd.get('n') else 'n/a'}: {what}.")
+
+
 def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict[str, Any]:
     out = skip_summary(records)
-    out["recovery"] = by_condition(records, CONDITIONS)
+    out["recovery"] = by_condition(records, CONDITIONS, n_boot=cfg.n_boot)
+    text = reading(out["recovery"], out["n_usable"])
+    if text:
+        out["reading"] = text
     pos = [r for r in records if r.get("condition") == "position"]
     if pos:
         out["per_position"] = {
@@ -102,7 +127,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict
             "downstream_other": by_condition([r for r in pos if not r["in_field"] and not r["is_aggregator"]], ["position"])["position"],
         }
     if any(r.get("condition") == "layer" for r in records):
-        out["per_layer"] = curve(records, "layer", "layer")
+        out["per_layer"] = curve(records, "layer", "layer", n_boot=cfg.n_boot)
     return out
 
 

@@ -12,6 +12,7 @@ from kvnotes.metrics import (
     bootstrap_ci,
     kl_divergence,
     logit_cosine,
+    proportion_ci,
     recovery,
     score,
     top1_agree,
@@ -99,7 +100,9 @@ def test_bootstrap_ci_contains_mean_and_is_seeded():
 def test_bootstrap_ci_ignores_nan_and_handles_empty():
     mean, lo, hi, n = bootstrap_ci([1.0, float("nan"), 3.0, float("inf")])
     assert (mean, n) == (2.0, 2) and 1.0 <= lo <= hi <= 3.0
-    assert bootstrap_ci([7.0]) == (7.0, 7.0, 7.0, 1)
+    m, lo, hi, n = bootstrap_ci([7.0])  # one value: no spread to resample, no interval
+    assert (m, n) == (7.0, 1) and math.isnan(lo) and math.isnan(hi)
+    assert bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0, 3)
     mean, lo, hi, n = bootstrap_ci([float("nan")])
     assert n == 0 and all(math.isnan(v) for v in (mean, lo, hi))
 
@@ -132,3 +135,24 @@ def test_wilson_ci_narrows_with_n_and_rejects_bad_counts():
     for k, n in ((11, 10), (-1, 10), (1.5, 10)):
         with pytest.raises(ValueError):
             wilson_ci(k, n)
+
+
+def test_bootstrap_ci_is_scipy_percentile_over_units():
+    from scipy.stats import bootstrap
+
+    x = np.random.default_rng(5).normal(0.0, 1.0, 25)
+    ref = bootstrap((x,), np.mean, n_resamples=2000, method="percentile", vectorized=True,
+                    rng=np.random.default_rng(0)).confidence_interval
+    assert bootstrap_ci(x)[1:3] == (ref.low, ref.high)
+    # units: the rows of one unit are averaged first, n counts units
+    mean, _, _, n = bootstrap_ci([0.0, 0.0, 0.9, 0.9, float("nan")], units=["a", "a", "a", "b", "b"])
+    assert n == 2 and mean == pytest.approx((0.3 + 0.9) / 2)
+    with pytest.raises(ValueError, match="labels"):
+        bootstrap_ci([1.0, 2.0], units=["a"])
+
+
+def test_proportion_ci_is_wilson_over_0_1_outcomes():
+    p, lo, hi, n = proportion_ci([1.0] * 29 + [0.0, float("nan")])
+    assert (p, n) == (pytest.approx(29 / 30), 30) and (lo, hi) == wilson_ci(29, 30)[1:]
+    with pytest.raises(ValueError, match="0/1"):
+        proportion_ci([0.5])
