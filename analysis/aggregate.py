@@ -1,10 +1,13 @@
 """Means with 95 % bootstrap confidence intervals, grouped, from the tidy records frame.
 
 Rows are first averaged within their unit (an item of a run: random draws, repeated conditions),
-then the mean over units gets a percentile bootstrap CI (scipy.stats.bootstrap, seeded), so n
-always counts units, never rows. NaN stays out of the mean and out of n (a skipped item is not
-a zero). Accuracies that come as one cross-validated number per layer get a Wilson interval over
-the prompts instead. The paper's reference numbers live in paper_reference.yaml, read here.
+then the mean over units gets a percentile bootstrap CI, so n always counts units, never rows.
+The bootstrap is kvnotes.metrics.bootstrap_ci (scipy.stats.bootstrap, seeded): the same code and
+defaults that write summary.json, so a report CI and a summary CI of the same values agree.
+NaN stays out of the mean and out of n (a skipped item is not a zero). Proportions (one 0/1
+outcome per unit: P(correct), reverted, agreement) get a Wilson interval (kvnotes.metrics.wilson_ci),
+never a zero-width bootstrap one; so do accuracies that come as one cross-validated number per
+layer. The paper's reference numbers live in paper_reference.yaml, read here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import yaml
-from scipy import stats
+
+from kvnotes.metrics import bootstrap_ci, wilson_ci
 
 UNIT = ("run_id", "item_id")  # one item of one run
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
@@ -26,24 +30,21 @@ CI_COLUMNS = ("mean", "lo", "hi", "n")
 
 
 def mean_ci(values: Any, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> tuple[float, float, float, int]:
-    """(mean, lo, hi, n) of the finite values; percentile bootstrap of the mean.
+    """(mean, lo, hi, n) of the finite values: kvnotes.metrics.bootstrap_ci on numbers coerced
+    from anything (booleans, None). n = 0 gives all NaN; n = 1 a NaN interval; identical values a
+    zero-width one."""
+    x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
+    return bootstrap_ci(x, n_boot=n_boot, ci=ci, seed=seed)
 
-    n = 0 gives all NaN; n = 1 gives the value with a NaN interval (one unit has no spread to
-    resample); identical values give a zero-width interval.
-    """
+
+def proportion_or_mean_ci(values: Any, n_boot: int = 2000) -> tuple[float, float, float, int]:
+    """Wilson interval when every value is 0 or 1 (a proportion), else the bootstrap of the mean."""
     x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
     x = x[np.isfinite(x)]
-    n = int(x.size)
-    if n == 0:
-        return (math.nan, math.nan, math.nan, 0)
-    mean = float(x.mean())
-    if n == 1:
-        return (mean, math.nan, math.nan, 1)
-    if np.all(x == x[0]):
-        return (mean, mean, mean, n)
-    res = stats.bootstrap((x,), np.mean, n_resamples=n_boot, confidence_level=ci, method="percentile",
-                          vectorized=True, rng=np.random.default_rng(seed))
-    return (mean, float(res.confidence_interval.low), float(res.confidence_interval.high), n)
+    if x.size and np.all((x == 0.0) | (x == 1.0)):
+        p, lo, hi = wilson_ci(int(x.sum()), int(x.size))
+        return (p, lo, hi, int(x.size))
+    return mean_ci(x, n_boot)
 
 
 def to_float(s: pd.Series) -> pd.Series:
@@ -65,8 +66,11 @@ def unit_means(df: pd.DataFrame, value: str, by: Sequence[str], unit: Sequence[s
 
 
 def ci_table(df: pd.DataFrame, value: str, by: Sequence[str] = ("model",), unit: Sequence[str] = UNIT,
-             n_boot: int = 2000) -> pd.DataFrame:
-    """One row per `by` group: mean, lo, hi, n of `value` over units (see module doc)."""
+             n_boot: int = 2000, proportion: bool = False) -> pd.DataFrame:
+    """One row per `by` group: mean, lo, hi, n of `value` over units (see module doc).
+
+    proportion=True: a group whose unit values are all 0/1 gets the Wilson interval (units
+    whose rows were averaged to a fraction, e.g. random draws, fall back on the bootstrap)."""
     by = list(by)
     per_unit = unit_means(df, value, by, unit)
     rows = []
@@ -74,18 +78,18 @@ def ci_table(df: pd.DataFrame, value: str, by: Sequence[str] = ("model",), unit:
         return pd.DataFrame(columns=[*by, *CI_COLUMNS])
     for key, g in per_unit.groupby(by, dropna=False, sort=True):
         key = key if isinstance(key, tuple) else (key,)
-        rows.append({**dict(zip(by, key)), **dict(zip(CI_COLUMNS, mean_ci(g[value], n_boot)))})
+        stat = proportion_or_mean_ci(g[value], n_boot) if proportion else mean_ci(g[value], n_boot)
+        rows.append({**dict(zip(by, key)), **dict(zip(CI_COLUMNS, stat))})
     return pd.DataFrame(rows, columns=[*by, *CI_COLUMNS])
 
 
-def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95 % Wilson interval of a proportion p observed over n trials (NaN when n = 0)."""
+def wilson(p: float, n: int) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion p observed over n trials (NaN when n = 0):
+    kvnotes.metrics.wilson_ci with k = round(p n)."""
     if n <= 0 or not math.isfinite(p):
         return (math.nan, math.nan)
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    _, lo, hi = wilson_ci(int(round(p * n)), int(n))
+    return (lo, hi)
 
 
 def paired_ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int = 2000) -> tuple[float, float, float, int]:
@@ -200,11 +204,16 @@ def quantile_ratio_ci(num: Any, den: Any, q: float = 0.9, n_boot: int = 2000,
     if n == 0:
         return (math.nan, math.nan, math.nan, 0)
     point = float(np.quantile(a, q) / np.quantile(b, q))
-    rng = np.random.default_rng(seed)
-    qa = np.quantile(a[rng.integers(0, a.size, (n_boot, a.size))], q, axis=1)
-    qb = np.quantile(b[rng.integers(0, b.size, (n_boot, b.size))], q, axis=1)
-    lo, hi = np.quantile(qa / qb, [0.025, 0.975])
-    return (point, float(lo), float(hi), n)
+    if a.size < 2 or b.size < 2:
+        return (point, math.nan, math.nan, n)
+    from scipy.stats import bootstrap
+
+    def ratio(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.asarray(np.quantile(x, q, axis=axis) / np.quantile(y, q, axis=axis))
+
+    res = bootstrap((a, b), ratio, n_resamples=n_boot, paired=False, vectorized=True,
+                    method="percentile", rng=np.random.default_rng(seed))
+    return (point, float(res.confidence_interval.low), float(res.confidence_interval.high), n)
 
 
 def memory_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:

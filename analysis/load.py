@@ -23,7 +23,7 @@ import yaml
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "seed", "commit",
-               "dirty", "status", "started", "run_variant", "margin", "model_margin", "dtype", "device", "weights", "run_path")
+               "dirty", "forced", "status", "started", "run_variant", "margin", "model_margin", "dtype", "device", "weights", "run_path")
 KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the same question
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
 NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent"})  # ignore cfg.task
@@ -107,6 +107,7 @@ def run_info(run_dir: str | Path, results: str | Path | None = None) -> dict[str
         "seed": meta.get("seed", cfg.get("seed")),
         "commit": git.get("commit"),
         "dirty": git.get("dirty"),
+        "forced": bool((meta.get("reference") or {}).get("forced")) if isinstance(meta.get("reference"), dict) else False,
         "status": meta.get("status", "completed" if summary else "unknown"),
         "started": meta.get("start_time") or path.name,
         "run_variant": _variant(job, cfg),

@@ -1,10 +1,14 @@
 """Copy finished runs into the committed reference set (config, meta, records, summary only).
 
-    python -m analysis.reference results/runs/edit/qwen-1.5b/2026-12-02_13-19-44 [RUN_DIR ...] [--to results/reference]
+    python -m analysis.reference results/runs/edit/qwen-1.5b/2026-12-02_13-19-44 [RUN_DIR ...] [--to results/reference] [--force]
 
 Each run lands at <to>/<job>/<model>/<timestamp>/ with the four files the figures and the report
 read; anything else in the run dir (a skill store, logs) stays behind. A run that did not
-complete is refused: the reference set holds finished runs only.
+complete is refused: the reference set holds finished runs only. So is a run whose meta.json
+records a dirty tree (uncommitted changes when it ran, or no git state at all): its code is not
+the commit it names. `--force` copies it anyway and marks the copy's meta.json
+(`reference.forced`), and the report lists every such run. Every run is checked before any is
+copied.
 """
 
 from __future__ import annotations
@@ -13,24 +17,59 @@ import argparse
 import json
 import shutil
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
 
 
-def copy_run(run_dir: Path, to: Path) -> Path:
-    """Copy one completed run's four files to <to>/<job>/<model>/<timestamp>/."""
+def dirty_reason(meta: dict[str, Any]) -> str | None:
+    """Why a run's code is not exactly its commit (None: it ran from a clean commit)."""
+    raw = meta.get("git")
+    git: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    if not git.get("commit"):
+        return "meta.json records no git commit"
+    if git.get("dirty") is not False:
+        return f"meta.json records a dirty tree at commit {str(git['commit'])[:7]} (uncommitted changes)"
+    commits = {str(a["git_commit"]) for a in meta.get("attempts") or []
+               if isinstance(a, dict) and a.get("git_commit")}
+    if len(commits) > 1:
+        return f"resumed across {len(commits)} commits ({', '.join(sorted(c[:7] for c in commits))})"
+    return None
+
+
+def check_run(run_dir: Path, force: bool = False) -> dict[str, Any]:
+    """meta.json of a run fit for the reference set; ValueError says why one is not."""
     run_dir = Path(run_dir)
     missing = [f for f in FILES if not (run_dir / f).is_file()]
     if missing:
         raise ValueError(f"{run_dir}: not a finished run dir, missing {', '.join(missing)}")
-    status = json.loads((run_dir / "meta.json").read_text()).get("status")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    status = meta.get("status")
     if status != "completed":
         raise ValueError(f"{run_dir}: status {status!r}; only completed runs go into the reference set")
+    reason = dirty_reason(meta)
+    if reason and not force:
+        raise ValueError(f"{run_dir}: {reason}; rerun it from a clean commit, or pass --force "
+                         "(the report then lists it as forced)")
+    return meta
+
+
+def copy_run(run_dir: Path, to: Path, force: bool = False) -> Path:
+    """Copy one completed run's four files to <to>/<job>/<model>/<timestamp>/; a dirty run only
+    with `force`, and then its copied meta.json says so (`reference.forced`)."""
+    run_dir = Path(run_dir)
+    meta = check_run(run_dir, force)
     dest = Path(to) / run_dir.parent.parent.name / run_dir.parent.name / run_dir.name
     dest.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         shutil.copy2(run_dir / f, dest / f)
+    reason = dirty_reason(meta)
+    if reason:
+        meta["reference"] = {"forced": True, "reason": reason,
+                             "copied": datetime.now(UTC).isoformat(timespec="seconds")}
+        (dest / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return dest
 
 
@@ -38,10 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="run directories to copy")
     p.add_argument("--to", type=Path, default=Path("results/reference"))
+    p.add_argument("--force", action="store_true",
+                   help="copy runs made from a dirty tree too (marked as forced; the report lists them)")
     a = p.parse_args(argv)
     try:
+        for run in a.runs:  # every run checked before any is copied
+            check_run(run, a.force)
         for run in a.runs:
-            print(copy_run(run, a.to))
+            dest = copy_run(run, a.to, a.force)
+            reason = dirty_reason(json.loads((dest / "meta.json").read_text()))
+            print(dest if reason is None else f"{dest} (forced: {reason})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

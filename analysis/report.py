@@ -38,9 +38,12 @@ from analysis.aggregate import (
     write_depth,
 )
 from analysis.load import job_params, select
+from kvnotes.margins import STEPS
 
 Extractor = Callable[[pd.DataFrame], pd.DataFrame]
-COLUMNS = ("model", *CI_COLUMNS, "runs", "note")
+COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
+BF16_STEP = STEPS["bfloat16"]  # one bfloat16 step of a score (logit difference): 1/16 logit
+PROPORTIONS = frozenset({"correct", "reverted", "agree", "decision_agree", "top1_agree"})
 
 
 def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -51,7 +54,23 @@ def _finish(t: pd.DataFrame, df: pd.DataFrame, note: str = "") -> pd.DataFrame:
     """A ci_table by model plus the runs each model's number came from."""
     runs = df.groupby("model")["run_id"].agg(lambda s: ", ".join(sorted(set(map(str, s)))))
     t = t.assign(runs=t["model"].map(runs), note=note)
+    if "zero_eps" not in t:
+        t = t.assign(zero_eps=math.nan)
     return t[t["n"] > 0][list(COLUMNS)].reset_index(drop=True)
+
+
+def zero_eps(df: pd.DataFrame, unit: Sequence[str] = ("run_id", "item_id")) -> pd.Series:
+    """Per model: one score step of the run's dtype (bfloat16 1/16 logit; an unknown dtype is
+    taken as bfloat16) in recovery units, step / |score_oracle - score_stale| per item, averaged
+    over items (NaN where the records carry no scores)."""
+    if df.empty or not {"score_oracle", "score_stale"} <= set(df.columns):
+        return pd.Series(dtype=float)
+    denom = (to_float(df["score_oracle"]) - to_float(df["score_stale"])).abs()
+    dtype = df["dtype"] if "dtype" in df else pd.Series(None, index=df.index)
+    step = dtype.map(lambda d: STEPS.get(str(d).removeprefix("torch."), BF16_STEP)).astype(float)
+    d = df.assign(_eps=step / denom.where(denom > 0))
+    per_item = d.groupby(["model", *[u for u in unit if u in d]], dropna=False)["_eps"].mean()
+    return per_item.groupby(level=0).mean()
 
 
 def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[str] = ("run_id", "item_id"),
@@ -67,7 +86,10 @@ def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[st
             df = df[~(to_float(df["cot"]) > 0)]
         if df.empty or value not in df:
             return _rows([])
-        return _finish(ci_table(df, value, ["model"], unit), df, note)
+        t = ci_table(df, value, ["model"], unit, proportion=value in PROPORTIONS)
+        if value == "recovery":
+            t = t.assign(zero_eps=t["model"].map(zero_eps(df, unit)))
+        return _finish(t, df, note)
     return f
 
 
@@ -109,11 +131,12 @@ def write_before_commit(frame: pd.DataFrame) -> pd.DataFrame:
 def _compose_or_selfcheck(frame: pd.DataFrame, seam: int, value: str = "cosine") -> pd.DataFrame:
     comp = frame[(frame["job"] == "compose")] if "job" in frame else frame.iloc[:0]
     comp = comp[(comp["kind"] == "fidelity") & (comp["seam"] == seam)] if "kind" in comp else comp.iloc[:0]
-    out = [_finish(ci_table(comp, value, ["model"]), comp, "experiment compose")] if len(comp) else []
+    prop = value in PROPORTIONS
+    out = [_finish(ci_table(comp, value, ["model"], proportion=prop), comp, "experiment compose")] if len(comp) else []
     sc = frame[(frame["job"] == "selfcheck")] if "job" in frame else frame.iloc[:0]
     sc = sc[(sc["seam"] == seam) & ~sc["model"].isin(set(comp["model"]))] if len(sc) and value in sc else sc.iloc[:0]
     if len(sc):
-        out.append(_finish(ci_table(sc, value, ["model"], ("run_id", "block")), sc,
+        out.append(_finish(ci_table(sc, value, ["model"], ("run_id", "block"), proportion=prop), sc,
                            "selfcheck gate blocks (no compose run for this model)"))
     return pd.concat(out, ignore_index=True) if out else _rows([])
 
@@ -178,7 +201,8 @@ def _agent(value: str) -> Extractor:
         t = t[t["kind"] == "turn"] if "kind" in t else t.iloc[:0]
         if t.empty:
             return _rows([])
-        return _finish(ci_table(t, value, ["model"], ("run_id", "scenario")), t, "n = scenarios (turns averaged)")
+        return _finish(ci_table(t, value, ["model"], ("run_id", "scenario"), proportion=value in PROPORTIONS), t,
+                       "n = scenarios (turns averaged)")
     return f
 
 
@@ -317,8 +341,12 @@ def describe(target: dict[str, Any] | None, digits: int = 3) -> str:
     return f"[{fmt(b[0], digits)}, {fmt(b[1], digits)}]"
 
 
-def verdict(target: dict[str, Any] | None, mean: float, lo: float, hi: float, n: int) -> str:
-    """Plain words: consistent / differs (higher or lower) / inconclusive / no data."""
+def verdict(target: dict[str, Any] | None, mean: float, lo: float, hi: float, n: int,
+            zero_eps: float | None = None) -> str:
+    """Plain words: consistent (CI inside the band) / overlaps (CI overlaps it) / differs (CI
+    outside it) / no data. `zero_eps`: one score step of the run's dtype (bfloat16: 1/16 logit)
+    in the value's units; a CI within it of 0 is read as zero (never as non-zero) before it is
+    compared with the band."""
     if n == 0:
         return "no data"
     if not math.isfinite(mean):
@@ -329,16 +357,19 @@ def verdict(target: dict[str, Any] | None, mean: float, lo: float, hi: float, n:
     has_ci = math.isfinite(lo) and math.isfinite(hi)
     lo_, hi_ = (lo, hi) if has_ci else (mean, mean)
     caveat = "" if has_ci else " (n=1, no CI)"
+    if zero_eps is not None and math.isfinite(zero_eps) and has_ci and -zero_eps <= lo and hi <= zero_eps:
+        within = f"zero within one score step of its dtype (+-{zero_eps:.3g})"
+        return f"consistent: {within}" if b[0] <= 0.0 <= b[1] else f"differs: ours is {within}"
     if hi_ < b[0]:
         return f"differs: ours is lower{caveat}"
     if lo_ > b[1]:
         return f"differs: ours is higher{caveat}"
+    if has_ci and b[0] <= lo and hi <= b[1]:
+        return "consistent"
     width = b[1] - b[0]
     if has_ci and math.isfinite(width) and width > 0 and (hi - lo) > 4 * width:
-        return "inconclusive: CI much wider than the band"
-    if b[0] <= mean <= b[1]:
-        return f"consistent{caveat}"
-    return f"consistent within the CI (mean outside the band){caveat}"
+        return "overlaps: CI much wider than the band"
+    return f"overlaps{caveat}"
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -378,25 +409,63 @@ def dev_runs(frame: pd.DataFrame) -> set[str]:
     return set(r.loc[m < d, "run_id"].astype(str))
 
 
+def _summary(run_path: Any) -> dict[str, Any]:
+    path = Path(str(run_path)) / "summary.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def usable_cell(summary: dict[str, Any], d: pd.DataFrame) -> str:
+    """'items (usable)' from the run's summary.json (the counts its job computed), else '-'."""
+    n = summary.get("n_items")
+    if n is None:
+        return "-"
+    parts = [f"{summary[k]}{label}" for k, label in (("n_usable", ""), ("n_usable_recovery", " recovery"),
+                                                      ("n_usable_p_correct", " P(correct)"),
+                                                      ("n_usable_correct", " P(correct)")) if k in summary]
+    return f"{n} ({', '.join(parts)})" if parts else str(n)
+
+
 def runs_section(frame: pd.DataFrame) -> list[str]:
-    lines = ["| run | model | task | items (usable) | margin | commit |", "|---|---|---|---|---|---|"]
+    lines = ["| run | model | dtype | task | items (usable) | margin | commit |", "|---|---|---|---|---|---|---|"]
     flagged = False
     for run_id, d in frame.groupby("run_id", sort=True):
         r = d.iloc[0]
-        items = d["item_id"].nunique() if "item_id" in d and d["item_id"].notna().any() else None
-        skipped = d.loc[d["condition"] == "skipped", "item_id"].nunique() if "condition" in d else 0
-        usable = f"{items} ({items - skipped})" if items is not None else "-"
+        summary = _summary(r.get("run_path"))
         margin = "-" if pd.isna(r.get("margin")) else f"{r['margin']:g}"
+        rule = summary.get("margin_rule")
+        if isinstance(rule, str) and ": derived" in rule:
+            margin += " (derived)"
         if pd.notna(r.get("margin")) and pd.notna(r.get("model_margin")) and r["margin"] < r["model_margin"]:
             margin += f" < {r['model_margin']:g} (development run)"
             flagged = True
         commit = str(r.get("commit") or "?")[:7] + (" (dirty)" if str(r.get("dirty")) == "True" else "")
         task = r["task"] if r["job_kind"] == "probe" or r["job"] in load.MARGIN_JOBS else "-"
-        lines.append(f"| `{run_id}` | {r['model']} | {task} | {usable} | {margin} | {commit} |")
+        dtype = r.get("dtype") if isinstance(r.get("dtype"), str) else "-"
+        lines.append(f"| `{run_id}` | {r['model']} | {dtype} | {task} | {usable_cell(summary, d)} | {margin} | {commit} |")
     if flagged:
         lines += ["", "**Runs marked *development run* judged items with a margin below the model's; "
                       "their numbers are for checking the pipeline, not findings.**"]
     return lines
+
+
+def dirty_section(frame: pd.DataFrame) -> list[str]:
+    """Runs whose meta.json records a dirty tree: forced into the reference set, or older."""
+    runs = frame.drop_duplicates("run_id")
+    dirty = runs[runs["dirty"].astype(str) == "True"] if "dirty" in runs else runs.iloc[:0]
+    if dirty.empty:
+        return ["Every run read comes from a clean commit."]
+    out = [f"{len(dirty)} of {len(runs)} runs read were made from a tree with uncommitted changes; "
+           "their code is not exactly the commit named:", ""]
+    for r in dirty.sort_values("run_id").itertuples():
+        forced = getattr(r, "forced", None)
+        how = ("forced in with `analysis.reference --force`" if str(forced) == "True"
+               else "copied before `analysis.reference` refused dirty runs")
+        out.append(f"- `{r.run_id}` (commit {str(r.commit or '?')[:7]}): {how}")
+    return out
 
 
 def summary_checks(frame: pd.DataFrame) -> list[str]:
@@ -442,10 +511,15 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         "# Reproduction report", "",
         f"Generated by `python -m analysis.report --results {results}` on {now}; figures in `{fig_dir}`.", "",
         "How to read it. Each claim of the paper (PAPER.md) is restated with the paper's number and our "
-        "value per model: the mean over usable items with a 95 % bootstrap confidence interval (n = items, "
-        "or the unit named in the note), recomputed from `records.parquet`. Our reading of the claim as a band "
-        "is given; *consistent* means our CI overlaps that band, *differs* that it lies wholly outside, "
-        "*inconclusive* that the CI is far wider than the band. Our models are small CPU models (" +
+        "value per model: the mean over usable items with a 95 % confidence interval (percentile bootstrap "
+        "over items, draws of one item averaged first; Wilson for proportions; n = items, or the unit named "
+        "in the note), recomputed from `records.parquet`. Each claim's band was written from the paper's "
+        "numbers before ours were read, with a sentence saying where it comes from; *consistent* means our "
+        "CI lies inside the band, *overlaps* that it only overlaps it, *differs* that it lies wholly outside. "
+        "A recovery whose CI lies within one score step of the run's dtype of zero (bfloat16: 1/16 logit; "
+        "in recovery units the step divided by the item's |score_oracle - score_stale|, averaged over items; "
+        "float32's 2^-20 is negligible) is read as zero, not as a non-zero effect. Our models are small CPU "
+        "models (" +
         ", ".join(model_label(m) for m in models) + "), not the paper's 7-32B models: agreement or "
         "disagreement is about these models, and a paper number for another model is context, not a target "
         "they must meet. Absent data stays absent: a claim no run measured says so.", "",
@@ -465,14 +539,15 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
             body += ["*Not measured*: no probe or experiment of the toolkit measures this yet.", ""]
             counts["not measured"] = counts.get("not measured", 0) + 1
             continue
-        body += [f"Measure: {c.get('measure')}. Band: {describe(c.get('target'), dg)}.", ""]
+        source = f" {c['band_source']}" if c.get("band_source") else ""
+        body += [f"Measure: {c.get('measure')}. Band: {describe(c.get('target'), dg)}.{source}", ""]
         if rows.empty:
             body += [f"*No data*: no completed `{c['measured_by']}` run under `{results}` measures it.", ""]
             counts["no data"] = counts.get("no data", 0) + 1
         else:
             body += ["| model | ours | 95 % CI | n | paper | verdict | note |", "|---|---|---|---|---|---|---|"]
             for r in rows.itertuples():
-                v = verdict(c.get("target"), r.mean, r.lo, r.hi, r.n)
+                v = verdict(c.get("target"), r.mean, r.lo, r.hi, r.n, r.zero_eps)
                 key = v.split(":")[0].split(" (")[0]
                 counts[key] = counts.get(key, 0) + 1
                 note = "; ".join(x for x in (r.note, "DEVELOPMENT RUN" if set(str(r.runs).split(", ")) & dev else "") if x)
@@ -492,7 +567,8 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
     lines += ["## Claims", "", *body]
     if len(frame):
-        lines += ["## Runs", "", *runs_section(frame), "", "## Cross-check against summary.json", "",
+        lines += ["## Runs", "", *runs_section(frame), "", "### Runs from a dirty tree", "", *dirty_section(frame), "",
+                  "## Cross-check against summary.json", "",
                   *summary_checks(frame), ""]
     if figures is not None:
         lines += ["## Figures", ""]

@@ -505,11 +505,17 @@ def test_claims_are_recomputed_from_records(frame):
 
 def test_verdicts_are_plain_and_honest():
     approx0 = {"approx": 0.0, "tol": 0.1}
-    assert report.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"
+    assert report.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"  # CI inside the band
     assert report.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
     assert report.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
-    assert report.verdict(approx0, 0.15, 0.05, 0.25, 10).startswith("consistent within the CI")
-    assert report.verdict(approx0, 0.0, -2, 2, 4).startswith("inconclusive")
+    assert report.verdict(approx0, 0.05, -0.05, 0.15, 10) == "overlaps"  # mean inside, CI not: not consistent
+    assert report.verdict(approx0, 0.15, 0.05, 0.25, 10) == "overlaps"
+    assert report.verdict(approx0, 0.0, -2, 2, 4) == "overlaps: CI much wider than the band"
+    # within one score step of the dtype (bf16: 1/16 logit) of zero: zero, never a non-zero effect
+    assert report.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10) == "consistent"
+    assert report.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10, zero_eps=0.05).startswith(
+        "differs: ours is zero within one score step")
+    assert report.verdict(approx0, 0.03, 0.01, 0.04, 10, zero_eps=0.05).startswith("consistent: zero within")
     assert report.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
     assert report.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
     assert report.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
@@ -553,11 +559,13 @@ def test_reference_copy_takes_the_four_files_of_completed_runs_only(tmp_path):
     run.mkdir(parents=True)
     for f in reference.FILES:
         (run / f).write_text("{}")
-    (run / "meta.json").write_text(json.dumps({"status": "completed"}))
+    clean = {"status": "completed", "git": {"commit": "0123456789", "dirty": False}}
+    (run / "meta.json").write_text(json.dumps(clean))
     (run / "store").mkdir()
     dest = reference.copy_run(run, tmp_path / "ref")
     assert dest == tmp_path / "ref" / "edit" / "llama" / "2026-01-01_00-00-00"
     assert sorted(p.name for p in dest.iterdir()) == sorted(reference.FILES)
+    assert "reference" not in json.loads((dest / "meta.json").read_text())  # a clean run is not marked
     (run / "meta.json").write_text(json.dumps({"status": "interrupted"}))
     with pytest.raises(ValueError, match="only completed runs"):
         reference.copy_run(run, tmp_path / "ref2")
