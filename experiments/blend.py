@@ -5,7 +5,8 @@ item, against a full prefill of the same tokens: naive reuse; seam repair K (rec
 K tokens of every block: EPIC's LegoLink, the same method under both names); CacheBlend r (the r
 % block tokens of largest key deviation at an early layer, recomputed against the reused
 neighbours); note-aware repair r (each block's aggregator tokens, the paper's account as a
-method) at CacheBlend's budgets (kvnotes.blend); optionally kvboost as it ships, in its own venv
+method, alone and with each block's first tokens bought first) at CacheBlend's budgets
+(kvnotes.blend); optionally kvboost as it ships, in its own venv
 (experiments/_kvboost_worker.py). Workloads (experiments/_blend_workloads.py): skills, RAG-style
 memory notes, LoCoMo sessions. Per item and method: logit cosine, top-1, KL(full || method),
 decision agreement (LoCoMo: same normalised answer), task score (decision correct; LoCoMo token
@@ -80,6 +81,7 @@ class BlendConfig:
     seams: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     budgets: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.30])
     check_layer: int = 1  # CacheBlend's early layer
+    note_seams: list[int] = field(default_factory=lambda: [0, 2])  # note-aware: first S tokens per block too
     timing_repeats: int = 1  # extra timed rounds are medianed with the first
     kvboost: KvboostConfig = field(default_factory=KvboostConfig)
     verify_probes: int = 4
@@ -97,6 +99,8 @@ class BlendConfig:
             raise ConfigError("*_blocks >= 1 and *_block_tokens >= 16 are needed")
         if any(k < 1 for k in self.seams) or not all(0 < b <= 1 for b in self.budgets):
             raise ConfigError(f"seams >= 1 and budgets in (0, 1] are needed: {self.seams}, {self.budgets}")
+        if not self.note_seams or any(s < 0 for s in self.note_seams):
+            raise ConfigError(f"note_seams must be a non-empty list of ints >= 0, got {self.note_seams}")
         if self.check_layer < 0 or self.timing_repeats < 1 or self.verify_probes < 1:
             raise ConfigError("check_layer >= 0, timing_repeats >= 1 and verify_probes >= 1 are needed")
 
@@ -111,7 +115,8 @@ class BlendConfig:
         from kvnotes.blend import Method
 
         return ([Method("naive")] + [Method("seam", k) for k in self.seams]
-                + [Method(f, r, self.check_layer) for f in ("cacheblend", "notes") for r in self.budgets])
+                + [Method("cacheblend", r, self.check_layer) for r in self.budgets]
+                + [Method("notes", r, seam=s) for s in self.note_seams for r in self.budgets])
 
 
 def resolve(path: str) -> Path:
@@ -174,7 +179,8 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
               "decision_full": str(ref_score["decision"])}
     rows = [{**common, "method": "full", "setting": 1.0, "name": "full", "recomputed": lay.n_block_tokens,
              "checked": 0, "cosine": 1.0, "top1_agree": True, "kl": 0.0, "decision_agree": True,
-             "task_score": ref_score["task_score"], "time_s": full_s, "answer": ref_score.get("answer", "")}]
+             "task_score": ref_score["task_score"], "time_s": full_s, "decision": str(ref_score["decision"]),
+             "answer": ref_score.get("answer", "")}]
     for m in cfg.methods():
         def go(m: Any = m) -> tuple[Any, Any]:
             built = blend.build(model, lay, head, blocks, m)
@@ -182,16 +188,16 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
         (built, step), dt = _timed(go, cfg.timing_repeats)
         logits = step.logits[0, -1]
         sc = _score(model, item, step, cfg.max_new_tokens)
-        rows.append({**common, "method": m.family, "setting": float(m.setting), "name": m.name,
+        rows.append({**common, "method": m.curve, "setting": float(m.setting), "name": m.name,
                      "recomputed": built.recomputed, "checked": built.checked,
                      "cosine": float(logit_cosine(logits, ref)), "top1_agree": bool(top1_agree(logits, ref)),
                      "kl": float(kl_divergence(ref, logits)),
                      "decision_agree": str(sc["decision"]) == str(ref_score["decision"]),
-                     "task_score": sc["task_score"], "time_s": dt, "answer": sc.get("answer", "")})
+                     "task_score": sc["task_score"], "time_s": dt, "decision": str(sc["decision"]),
+                     "answer": sc.get("answer", "")})
     for r in rows:
         r["recompute_fraction"] = r["recomputed"] / lay.n_block_tokens
         r["ttft_ratio"] = r["time_s"] / full_s
-        r["decision"] = str(r.pop("answer") or "")
     return rows
 
 
@@ -248,6 +254,7 @@ def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str,
         x, ref = logits[(r["key"], r["config"])], logits[(r["key"], "baseline")]
         if r["key"] not in ours:
             ours[r["key"]] = run.prefill(model, r["ids"]).logits[0, -1].cpu()
+        ans = ""
         if it.gold is None:
             ids = list(it.decision_ids)
             dec, dec_ref = ids[int(x[ids].argmax())], ids[int(ref[ids].argmax())]
@@ -267,7 +274,7 @@ def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str,
             "checked": 0, "cosine": float(logit_cosine(x, ref)), "top1_agree": bool(top1_agree(x, ref)),
             "kl": float(kl_divergence(ref, x)), "decision_agree": str(dec) == str(dec_ref),
             "task_score": score, "task_score_full": score_ref, "decision": str(dec), "decision_full": str(dec_ref),
-            "time_s": r["ttft_s"], "time_full_s": b["ttft_s"], "ttft_ratio": r["ttft_s"] / b["ttft_s"],
+            "answer": ans, "time_s": r["ttft_s"], "time_full_s": b["ttft_s"], "ttft_ratio": r["ttft_s"] / b["ttft_s"],
             "reported_ttft_ratio": r["reported_ttft_ms"] / b["reported_ttft_ms"],
             "kv_reuse_ratio": r["kv_reuse_ratio"], "approximate_hits": r["approximate_hits"],
             "cacheblend_forced": bool(conf["strategy"] != "cacheblend" and r["approximate_hits"] > 0),

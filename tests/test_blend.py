@@ -102,6 +102,14 @@ def test_note_positions_prefer_newlines_then_punctuation_per_block(tiny):
         assert set(newlines[: len(mine)]) <= set(mine) or set(mine) <= set(newlines)
     everything = blend.note_positions(tok, lay, 1.0)
     assert len(everything) == sum(x < 2 for c in cls for x in c)  # capped by the aggregators
+    hybrid = blend.note_positions(tok, lay, 0.2, seam=2)
+    for start, blk in zip(lay.starts, lay.blocks):
+        mine = [p for p in hybrid if start <= p < start + len(blk)]
+        k = blend.budget(len(blk), 0.2)
+        assert mine[:2] == [start, start + 1][:k] and len(mine) == k
+    assert Method("notes", 0.15, seam=2).name == "notes+seam2@15%"
+    with pytest.raises(ValueError):
+        Method("cacheblend", 0.15, seam=2)
 
 
 def test_recomputing_every_block_token_is_a_full_prefill(tiny):
@@ -201,7 +209,7 @@ def test_every_method_on_every_item(blend_run):
     rows = df[df["kind"] == "blend"]
     assert set(rows["workload"]) == {"skills", "memory", "locomo"}
     names = {"full", "naive", "seam@1", "seam@4", "seam@10000", "cacheblend@15%", "cacheblend@100%",
-             "notes@15%", "notes@100%"}
+             "notes@15%", "notes@100%", "notes+seam2@15%", "notes+seam2@100%"}
     for _, g in rows.groupby("item_id"):
         assert set(g["name"]) == names
     full = rows[rows["name"] == "full"]
@@ -217,6 +225,10 @@ def test_every_method_on_every_item(blend_run):
     assert ((cb["recompute_fraction"] - 0.15).abs() < 0.02).all() and (cb["checked"] == cb["n_context"]).all()
     notes = rows[rows["name"] == "notes@15%"]
     assert (notes["recompute_fraction"] <= 0.15 + 0.02).all() and (notes["recomputed"] > 0).all()
+    assert set(rows.loc[rows["name"] == "notes+seam2@15%", "method"]) == {"notes+seam2"}
+    dec = rows[rows["workload"] != "locomo"]
+    assert (dec["decision"] != "").all() and (dec["answer"] == "").all()
+    assert (loc_answers := rows.loc[rows["workload"] == "locomo", "answer"]).str.len().gt(0).any(), loc_answers
     assert (rows["ttft_ratio"] > 0).all() and rows["time_full_s"].notna().all()
     loc = rows[rows["workload"] == "locomo"]
     assert (loc["n_blocks"] == 2).all() and loc["task_score"].between(0, 1).all()

@@ -4,7 +4,8 @@ Experiment `blend`, per model and workload: the logit cosine against a full pref
 the task score (right: decision accuracy, or LoCoMo token F1 of a greedy answer) of each method
 at each setting, placed at its mean recompute fraction (block tokens recomputed / block tokens;
 kvboost: tokens it ran through the model). Curves: seam repair K (= EPIC's LegoLink), CacheBlend
-r and note-aware repair r at equal budgets; naive reuse at 0; kvboost as it ships; full prefill at
+r and note-aware repair r (alone, and with each block's first tokens bought first) at equal
+budgets; naive reuse at 0; kvboost as it ships; full prefill at
 1 (its task score dashed). Shaded: 95 % CI over items (Wilson for decisions). The caption names
 the frontier method at each budget (best mean among methods within it, the cheaper on a tie).
 """
@@ -24,14 +25,23 @@ NAME = "blend"
 TITLE = "Cache reuse head to head: fidelity vs recompute fraction"
 NEEDS = "experiment blend"
 WORKLOADS = ("skills", "memory", "locomo")
-CURVES = (  # method family, label, colour, marker
-    ("naive", "naive reuse", "#7f7f7f", "s"),
-    ("seam", "seam repair K = LegoLink", "#1f77b4", "o"),
-    ("cacheblend", "CacheBlend r", "#d62728", "^"),
-    ("notes", "note-aware r", "#2ca02c", "D"),
-    ("kvboost-selective", "kvboost selective", "#9467bd", "v"),
-    ("kvboost-cacheblend", "kvboost cacheblend", "#8c564b", "P"),
-)
+CURVES = {  # method column -> label, colour, marker; others (e.g. notes+seam4) get the fallback
+    "naive": ("naive reuse", "#7f7f7f", "s"),
+    "seam": ("seam repair K = LegoLink", "#1f77b4", "o"),
+    "cacheblend": ("CacheBlend r", "#d62728", "^"),
+    "notes": ("note-aware r", "#2ca02c", "D"),
+    "notes+seam2": ("note-aware r, first 2 tokens/block first", "#17becf", "d"),
+    "kvboost-selective": ("kvboost selective", "#9467bd", "v"),
+    "kvboost-cacheblend": ("kvboost cacheblend", "#8c564b", "P"),
+}
+FALLBACK = ("#bcbd22", "X")
+
+
+def curves(methods: list[str]) -> list[tuple[str, str, str, str]]:
+    """(method, label, colour, marker) for every method present but full prefill, known ones first."""
+    known = [m for m in CURVES if m in methods]
+    other = sorted(m for m in methods if m not in CURVES and m != "full")
+    return [(m, *CURVES[m]) for m in known] + [(m, m, *FALLBACK) for m in other]
 METRICS = (("cosine", "logit cosine vs full prefill"), ("task_score", "task score"))
 
 
@@ -65,7 +75,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         for j, (metric, ylabel) in enumerate(METRICS):
             ax = axes[2 * i + j]
             binary = metric == "task_score" and bool(d[metric].dropna().isin([0.0, 1.0]).all())
-            for fam, label, col, mk in CURVES:
+            for fam, label, col, mk in curves(list(d["method"].unique())):
                 g = d[d["method"] == fam]
                 if g.empty:
                     continue
