@@ -17,6 +17,7 @@ from typing import Any
 
 from kvnotes.tasks import filler
 from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.rules import fill_rule, rule_phrasings
 from kvnotes.tasks.templates import Domain, Suite, banks
 from kvnotes.tasks.tokens import (
     Frame,
@@ -56,12 +57,6 @@ def _controls(rng: random.Random) -> dict[str, str]:
             minute=rng.randint(10, 59),
         ),
     }
-
-
-def rule_phrasings(domain: Domain, variant: str) -> list[str]:
-    if variant in ("polarity", "trigger"):
-        return list(banks()["polarity_rules"])
-    return list(domain.rules) + list(banks()["rules"])
 
 
 def draw(suite: Suite, index: int, seed: int) -> Draw:
@@ -107,12 +102,7 @@ def outcome_for(d: Draw, value: int, polarity: int) -> str:
 
 def _fmt(template: str, d: Draw, **kw: Any) -> str:
     """Fill a rule; `order` swaps both cases together, which keeps the mapping it states."""
-    dom = d.domain
-    a, b = (1, 0) if d.order else (0, 1)
-    return template.format(
-        field=dom.field, v0=dom.values[a], v1=dom.values[b], o0=dom.outcomes[a],
-        o1=dom.outcomes[b], **kw,
-    )
+    return fill_rule(template, d.domain, d.order, **kw)
 
 
 def rule_pieces(d: Draw, variant: str, lead: str) -> list[Piece]:

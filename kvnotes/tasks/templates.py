@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+log = logging.getLogger(__name__)
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 Kind = Literal["gated", "skills", "memory", "agents"]
 Variant = Literal["field", "control", "polarity", "trigger"]
@@ -148,6 +150,8 @@ def domain_names() -> list[str]:
 def _suite_files(template_dirs: Sequence[str | Path] = ()) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for d in (TEMPLATE_DIR, *map(Path, template_dirs)):
+        if not d.is_dir():
+            raise ValueError(f"template_dirs: {str(d)!r} is not a directory")
         for p in sorted(d.glob("*.yaml")):
             if not p.name.startswith("_"):
                 files[p.stem] = p
@@ -160,15 +164,32 @@ def suite_names(template_dirs: Sequence[str | Path] = ()) -> list[str]:
 
 
 def _select_domains(name: str, data: Mapping[str, Any]) -> tuple[Domain, ...]:
+    """The suite's `domains:` (built-in names, or "all"), then its `extra_domains`.
+
+    A suite with `extra_domains` must say whether the built-in ones join them (`domains: all`)
+    or not (`domains: []`); a suite without either draws all built-in domains, and says so.
+    """
     known = dict(builtin_domains())
     extra = {n: domain_from_dict(n, d) for n, d in (data.get("extra_domains") or {}).items()}
     known.update(extra)
+    if "domains" not in data:
+        if extra:
+            raise ValueError(
+                f"suite {name!r} has extra_domains but no `domains:` key; write `domains: []` to draw "
+                f"only {sorted(extra)}, or `domains: all` to add the {len(builtin_domains())} built-in ones"
+            )
+        log.info("suite %r has no `domains:` key: drawing all %d built-in domains", name,
+                 len(builtin_domains()))
     wanted = data.get("domains", "all")
-    names = sorted(builtin_domains()) if wanted == "all" else list(wanted)
+    if wanted != "all" and not isinstance(wanted, list):
+        raise ValueError(f"suite {name!r}: domains is a list of names or \"all\", got {wanted!r}")
+    names = sorted(builtin_domains()) if wanted == "all" else [str(n) for n in wanted]
     names += [n for n in extra if n not in names]  # inline domains are always drawn from
     missing = [n for n in names if n not in known]
     if missing:
         raise ValueError(f"suite {name!r}: unknown domains {missing}; valid: {sorted(known)}")
+    if not names:
+        raise ValueError(f"suite {name!r} draws no domains: list some, or define extra_domains")
     return tuple(known[n] for n in names)
 
 
@@ -183,10 +204,11 @@ def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"suite {name!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
-    return Suite(
+    kind = str(data.get("kind", "gated"))
+    suite = Suite(
         name=name,
-        kind=str(data.get("kind", "gated")),
-        domains=_select_domains(name, data),
+        kind=kind,
+        domains=_select_domains(name, data) if kind == "gated" else (),
         variant=str(data.get("variant", "field")),
         design=Design(**(data.get("design") or {})),
         n_items=int(data.get("n_items", 48)),
@@ -195,3 +217,8 @@ def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
         description=str(data.get("description", "")),
         options=dict(data.get("options") or {}),
     )
+    if suite.kind == "gated":
+        from kvnotes.tasks.rules import check_rules  # rules reads this module's banks
+
+        check_rules(name, suite.variant, suite.domains)
+    return suite

@@ -10,10 +10,12 @@ are refused, since their logits could not be told apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger(__name__)
 SENTINEL_SYSTEM = "\x00KVNOTES_SYSTEM\x00"
 SENTINEL_USER = "\x00KVNOTES_USER\x00"
 
@@ -189,6 +191,7 @@ def decision_ids(tok: Any, outcomes: Sequence[str], prompt_text: str) -> tuple[i
         if not ids:
             raise DecisionTokenError(f"outcome {o!r} encodes to no tokens")
         firsts.append(ids[0])
+        warn_common_prefix(tok, o, ids[0], len(ids))
     for i in range(len(outcomes)):
         for j in range(i + 1, len(outcomes)):
             if firsts[i] == firsts[j]:
@@ -198,6 +201,35 @@ def decision_ids(tok: Any, outcomes: Sequence[str], prompt_text: str) -> tuple[i
                     f"{getattr(tok, 'name_or_path', '')}; choose outcome words whose first tokens differ"
                 )
     return tuple(firsts)
+
+
+COMMON_PREFIX = 200  # a first piece that begins this many other vocabulary tokens is a prefix
+_prefix_checked: set[tuple[str, int, str]] = set()  # (name, id(tokenizer), outcome)
+
+
+def prefix_extensions(tok: Any, token_id: int) -> int:
+    """How many other vocabulary tokens begin with token `token_id` (' re' -> ' return', ...)."""
+    raw = tok.convert_ids_to_tokens(token_id)
+    return sum(1 for v in tok.get_vocab() if v != raw and v.startswith(raw))
+
+
+def warn_common_prefix(tok: Any, outcome: str, first: int, n_pieces: int) -> None:
+    """Log a warning (once per tokenizer and outcome) when a multi-token outcome is read from a
+    first piece that is a common prefix: " rebook" is scored on ' re', whose logit also rises
+    for ' return', ' read', ... so the decision measures more than the outcome word."""
+    if n_pieces < 2 or not (hasattr(tok, "get_vocab") and hasattr(tok, "convert_ids_to_tokens")):
+        return
+    key = (str(getattr(tok, "name_or_path", "")), id(tok), outcome)
+    if key in _prefix_checked:
+        return
+    _prefix_checked.add(key)
+    n = prefix_extensions(tok, first)
+    if n >= COMMON_PREFIX:
+        log.warning(
+            "outcome %r is scored on its first token %r, a prefix of %d other tokens of %s; "
+            "its logit also rises for unrelated words: prefer an outcome whose first token is "
+            "a whole word", outcome, tok.decode([first]), n, key[0] or type(tok).__name__,
+        )
 
 
 _PUNCT = set(".,:;!?-()[]{}#*|/\\'\"`>_=")

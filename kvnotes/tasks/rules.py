@@ -1,0 +1,95 @@
+"""Binding rules: fill a phrasing for a domain, and check that what it renders says what it should.
+
+A gated domain declares `values[i] -> outcomes[i]`. A rule phrasing names both cases with the
+placeholders {v0} {o0} {v1} {o1}; the builder states the cases in seeded order by swapping the
+two *pairs* together, so the mapping stays as declared. A one-sided phrasing ("renewed only when
+{field} is {v0}") hides an outcome in fixed words, and swapping its cases turns it into a
+contradiction. So every phrasing a suite can draw is rendered in both orders and checked: both
+values and both outcomes appear (as whole words), and each value is followed by its own outcome
+before the next value (or each outcome by its own value, for "answer {o0} when ... {v0}" forms).
+Polarity phrasings are one-sided by design ("{trigger} {field} is {v0}, ... {o0}; otherwise ...
+{o1}"): there the stated value must pair with its outcome and the other outcome must appear.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvnotes.tasks.templates import Domain, banks
+
+POLARITY_VARIANTS = ("polarity", "trigger")
+EXAMPLE = "If {field} is {v0}, the next action is {o0}. If {field} is {v1}, the next action is {o1}."
+
+
+def rule_phrasings(domain: Domain, variant: str) -> list[str]:
+    """Every phrasing an item of `variant` may draw for `domain` (the domain's own, then the bank's)."""
+    if variant in POLARITY_VARIANTS:
+        return list(banks()["polarity_rules"])
+    return list(domain.rules) + list(banks()["rules"])
+
+
+def fill_rule(template: str, domain: Domain, order: int, **kw: Any) -> str:
+    """`template` filled; `order=1` states the second case first (both pairs swap together)."""
+    a, b = (1, 0) if order else (0, 1)
+    return template.format(field=domain.field, v0=domain.values[a], v1=domain.values[b],
+                           o0=domain.outcomes[a], o1=domain.outcomes[b], **kw)
+
+
+def _mentions(text: str, words: tuple[str, str], kind: str) -> list[tuple[int, str, int]]:
+    """(offset, kind, index) of every whole-word occurrence of words[0] and words[1]."""
+    out = []
+    for i, w in enumerate(words):
+        for m in re.finditer(rf"(?<![\w-]){re.escape(w)}(?![\w-])", text):
+            out.append((m.start(), kind, i))
+    return out
+
+
+def rule_problem(text: str, domain: Domain, one_sided: bool = False) -> str | None:
+    """What is wrong with a rendered rule, or None when it states the mapping as declared.
+
+    A case is a mention of one kind (value or outcome, whichever the rule starts with) followed
+    by a mention of the other kind: each case must pair index i with index i, and a two-sided
+    rule must state both cases.
+    """
+    values, outcomes = domain.values, domain.outcomes
+    seq = sorted(_mentions(text, values, "v") + _mentions(text, outcomes, "o"))
+    for kind, words in (("o", outcomes), ("v", values)):
+        seen = {i for _, k, i in seq if k == kind}
+        need = {0} if kind == "v" and one_sided else {0, 1}
+        if len(seen) < len(need):
+            missing = " or ".join(repr(words[i]) for i in (0, 1) if i not in seen)
+            return f"it never names the {'value' if kind == 'v' else 'outcome'} {missing}"
+    lead = seq[0][1]
+    cases = [(i1, i2) for (_, k1, i1), (_, k2, i2) in zip(seq, seq[1:], strict=False)
+             if k1 == lead and k2 != lead]
+    for a, b in cases:
+        v, o = (a, b) if lead == "v" else (b, a)
+        if v != o:
+            return (f"it pairs {values[v]!r} with {outcomes[o]!r}, but the domain declares "
+                    f"{values[v]!r} -> {outcomes[v]!r}")
+    stated = {a for a, _ in cases}
+    if len(stated) < (1 if one_sided else 2):
+        return "it does not state each value with its outcome"
+    return None
+
+
+def check_rules(suite_name: str, variant: str, domains: tuple[Domain, ...]) -> None:
+    """Render every phrasing each domain may draw, in both orders; raise on the first bad one."""
+    one_sided = variant in POLARITY_VARIANTS
+    for d in domains:
+        for template in rule_phrasings(d, variant):
+            for order in (0, 1):
+                try:
+                    text = fill_rule(template, d, order, trigger=banks()["triggers"][0])
+                except (KeyError, IndexError) as e:
+                    raise ValueError(f"suite {suite_name!r}, domain {d.name!r}: rule {template!r} uses "
+                                     f"an unknown placeholder {e}; valid: {{field}} {{v0}} {{v1}} "
+                                     f"{{o0}} {{o1}}") from None
+                problem = rule_problem(text, d, one_sided)
+                if problem:
+                    raise ValueError(
+                        f"suite {suite_name!r}, domain {d.name!r}: rule {template!r} renders as "
+                        f"{text!r}, and {problem}; state both cases, each value with its outcome, "
+                        f"e.g. {EXAMPLE!r} (kvnotes/tasks/README.md, 'Adding a suite')"
+                    )
