@@ -37,7 +37,7 @@ def reversion_stats(values: Iterable[float]) -> dict[str, Any]:
     v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
     return {
         "median": float(np.median(v)) if v.size else float("nan"),
-        "mean": ci_dict(v),
+        "mean_reversion": ci_dict(v),
         "share_reverted": proportion(reverted(x) for x in v),  # 0.5 <= r <= 1.5
         "share_overshoot": proportion(x > REVERTED[1] for x in v),
         "share_away": proportion(x < 0 for x in v),

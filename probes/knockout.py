@@ -60,7 +60,8 @@ class KnockoutConfig:
     top_fraction: float = 0.25  # the "most-attended" set: this share of downstream positions
     fractions: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5, 0.75, 1.0])
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
-    n_random: int = 3  # draws of every random control (positions and heads)
+    n_random: int = 3  # draws of the matched control and of random heads
+    n_random_dose: int = 1  # draws of the random set at each dose (a full forward each in after_notes)
     match_width: int = 3  # matched control: a random pick among this many nearest in distance
     n_sink: int = 1  # the first positions count as the attention sink
     read_heads: bool = True
@@ -79,8 +80,8 @@ class KnockoutConfig:
         bad = [v for v in self.variants if v not in VARIANTS] + [r for r in self.head_rankings if r not in RANKINGS]
         if bad or not self.variants:
             raise ValueError(f"unknown variants/rankings {bad}; variants: {VARIANTS}, rankings: {RANKINGS}")
-        if self.n_heads < 1 or any(k < 1 for k in self.head_ks) or self.n_sink < 0 or self.n_random < 0:
-            raise ValueError("n_heads >= 1, head_ks >= 1, n_sink >= 0, n_random >= 0")
+        if self.n_heads < 1 or any(k < 1 for k in self.head_ks) or self.n_sink < 0 or min(self.n_random, self.n_random_dose) < 0:
+            raise ValueError("n_heads >= 1, head_ks >= 1, n_sink >= 0, n_random >= 0, n_random_dose >= 0")
         if self.match_width < 1 or self.batch_size < 1 or self.hide_batch_size < 1:
             raise ValueError("match_width, batch_size and hide_batch_size must be >= 1")
 
@@ -149,29 +150,41 @@ def key_sets(pair: PatchPair, att: torch.Tensor, cfg: KnockoutConfig, rng: rando
         k = max(1, math.ceil(f * len(down)))
         sets.append(({"condition": "dose", "fraction": f, "n_keys": k}, by_att[:k], all_layers))
         sets += [({"condition": "dose_random", "fraction": f, "n_keys": k, "draw": d}, sorted(rng.sample(down, k)),
-                  all_layers) for d in range(cfg.n_random)]
+                  all_layers) for d in range(cfg.n_random_dose)]
     for name, lay in bands(n_layers).items():
         sets.append(({"condition": "band", "band": name, "n_keys": n_top}, top, lay))
     return sets
 
 
+def _unique(sets: list[KeySet]) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """The distinct (keys, layers) of `sets` and, per set, the index of its reading (e.g. the 25 %
+    dose is the top set, every random draw at 100 % is the whole span: each is run once)."""
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    for _, keys, lay in sets:
+        seen.setdefault((tuple(sorted(keys)), tuple(lay)), len(seen))
+    index = [seen[(tuple(sorted(keys)), tuple(lay))] for _, keys, lay in sets]
+    return [(list(k), list(lay)) for k, lay in seen], index
+
+
 def _decision_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
-    key_mask = torch.zeros(len(sets), pair.n_cached, dtype=torch.bool)
-    layer_mask = torch.zeros(len(sets), model.n_layers, dtype=torch.bool)
-    for i, (_, keys, lay) in enumerate(sets):
+    distinct, index = _unique(sets)
+    key_mask = torch.zeros(len(distinct), pair.n_cached, dtype=torch.bool)
+    layer_mask = torch.zeros(len(distinct), model.n_layers, dtype=torch.bool)
+    for i, (keys, lay) in enumerate(distinct):
         key_mask[i, keys] = True
         layer_mask[i, lay] = True
-    logits = read_variants(model, pair.new, pair.new, [[]] * len(sets), pair.tail, key_mask=key_mask,
+    logits = read_variants(model, pair.new, pair.new, [[]] * len(distinct), pair.tail, key_mask=key_mask,
                            mask_layers=layer_mask, batch_size=cfg.batch_size)[:, -1]
-    return scores_from_logits(pair.item, logits)
+    return scores_from_logits(pair.item, logits)[index]
 
 
 def _after_notes_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
-    hidden = torch.zeros(len(sets), pair.item.n_tokens, dtype=torch.bool)
-    for i, (_, keys, _) in enumerate(sets):
+    distinct, index = _unique(sets)
+    hidden = torch.zeros(len(distinct), pair.item.n_tokens, dtype=torch.bool)
+    for i, (keys, _) in enumerate(distinct):
         hidden[i, keys] = True
     logits = interp.hide_keys(model, pair.item.new_ids, hidden, cfg.hide_batch_size)
-    return scores_from_logits(pair.item, logits)
+    return scores_from_logits(pair.item, logits)[index]
 
 
 def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margin: float) -> list[dict[str, Any]]:
@@ -251,7 +264,21 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: KnockoutConfig) -> dict
                     for b in ("early", "mid", "late", "all") if any(r["band"] == b for r in band)]
     if any(r.get("condition") == "heads" for r in records):
         out["heads"] = summarize_heads(records, cfg.n_heads)
+    if present:
+        out["reading"] = reading(out, present, cfg.top_fraction)
     return out
+
+
+def reading(out: Mapping[str, Any], present: Sequence[str], top_fraction: float) -> str:
+    """One line: the median reversion of the top set per variant, and which reproduces the claim."""
+    def med(v: str, c: str) -> str:
+        return f"{out[v][c]['median']:.2f}"
+    parts = [f"{'decision token only' if v == 'decision' else 'every later query'} {med(v, 'top')} "
+             f"(matched random {med(v, 'random_matched')})" for v in present]
+    who = ", ".join(out["reverts_reproduced_by"]) or "neither variant"
+    return (f"top {100 * top_fraction:g} % most-attended keys masked, median signed reversion over "
+            f"{out[present[0]]['top']['n']} items: {'; '.join(parts)}; 'the decision reverts' is reproduced by "
+            f"{who} (rule: reverts_rule)")
 
 
 register("probe", "knockout", KnockoutConfig, summarize=summarize,

@@ -122,19 +122,26 @@ def prompt_rows(model: LoadedModel, item: TaskItem, cfg: LinearConfig) -> list[P
 
 def cv_correct(x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int, C: float) -> np.ndarray | None:
     """Per-prompt correctness of grouped cross-validated predictions at each layer: [layer, n].
-    None when it cannot be measured (one label class, or fewer than two template groups)."""
+    None when it cannot be measured (one label class, or fewer than two template groups); a fold
+    whose training prompts hold one class predicts that class (chance, not an error)."""
     from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import GroupKFold, cross_val_predict
+    from sklearn.model_selection import GroupKFold
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     n_groups = len(set(groups.tolist()))
     if n_groups < 2 or len(set(y.tolist())) < 2:
         return None
-    cv = GroupKFold(n_splits=min(n_splits, n_groups))
-    clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
-    return np.stack([cross_val_predict(clf, x[:, layer].astype(np.float32), y, groups=groups, cv=cv) == y
-                     for layer in range(x.shape[1])])
+    pred = np.empty((x.shape[1], len(y)), dtype=y.dtype)  # [layer, n]
+    for train, test in GroupKFold(n_splits=min(n_splits, n_groups)).split(x, y, groups):
+        if len(set(y[train].tolist())) < 2:
+            pred[:, test] = y[train][0]
+            continue
+        for layer in range(x.shape[1]):
+            clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
+            clf.fit(x[train, layer].astype(np.float32), y[train])
+            pred[layer, test] = clf.predict(x[test, layer].astype(np.float32))
+    return pred == y[None]
 
 
 def layer_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: LinearConfig) -> list[float]:
@@ -229,9 +236,10 @@ def why_unwritten(rows: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[s
         return f"accuracy unmeasurable: fewer than two template groups ({label} labels)"
     b = max(finite, key=lambda r: (r["accuracy"], -r["layer"]))
     where = f", aggregator {b['aggregator']} from the last ({b['segment']})" if isinstance(b.get("segment"), str) else ""
+    counts = sorted((sum(p[key] == c for p in prompts) for c in classes), reverse=True)
     return (f"{label} labels: accuracy never reaches {threshold:g}; best {b['accuracy']:.2f} "
             f"[{b['ci_lo']:.2f}, {b['ci_hi']:.2f}] at layer {b['layer']} (relative {b['rel_layer']:.2f}){where}, "
-            f"n = {b['n_prompts']} prompts")
+            f"n = {b['n_prompts']} prompts, classes {' / '.join(map(str, counts))}")
 
 
 def summarize_label(records: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[str, Any]], label: str,
@@ -274,6 +282,10 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: LinearConfig) -> dict[s
     labels = sorted({str(r["label"]) for r in records if r.get("condition") == "probe"})
     if labels:
         out["labels"] = {lab: summarize_label(records, prompts, lab, cfg.threshold) for lab in labels}
+        out["reading"] = "; ".join(
+            out["labels"][lab]["why_no_write_depth"] or
+            f"{lab} labels: write depth {out['labels'][lab]['write_depth_best']:.2f} at the best aggregator"
+            for lab in labels) + f"; the model answers correctly in {out['final_pick_correct']['mean']:.2f} of prompts"
     return out
 
 

@@ -105,6 +105,9 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: ScrubConfig) -> dict[st
             "n_note_positions": ci_dict(_per_item(records, "note", kind, "n_positions").values()),
         }
     out["paper"] = {"note": 0.79, "rest": 0.19}
+    if kinds:
+        out["reading"] = "; ".join(f"{k}: note {out[k]['note']['mean']:.2f} vs rest {out[k]['rest']['mean']:.2f} "
+                                   f"(n={out[k]['note']['n']})" for k in kinds) + " (paper 0.79 vs 0.19)"
     return out
 
 

@@ -134,6 +134,11 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: SplitConfig) -> dict[st
     out["full_prefill_correct"] = proportion(bool(r["ref_correct"]) for r in rows
                                              if r["condition"] == "single" and int(r["seam"]) == min(cfg.seams))
     out["paper"] = {"split": 0.46, "single": 0.76, "n": 80}
+    if seams:
+        out["reading"] = "; ".join(
+            f"seam {k}: agreement with a full prefill {v['single']['agreement']['mean']:.2f} in one block vs "
+            f"{v['split']['agreement']['mean']:.2f} split (n={v['split']['agreement']['n']} prompts)"
+            for k, v in seams.items()) + " (paper 0.76 vs 0.46)"
     return out
 
 

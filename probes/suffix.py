@@ -182,8 +182,9 @@ def summarize_segments(records: Sequence[Mapping[str, Any]], cfg: SuffixConfig) 
     tops = [r for r in records if r.get("condition") == "top_positions"]
     within = {k: ci_dict([r[f"top_within_first_{k}"] for r in tops], cfg.n_boot)
               for k in cfg.percents if tops and f"top_within_first_{k}" in tops[0]}
+    explained = explain_prefix(out, within, 70)
     return {"segments": out, "segment_top_k": cfg.segment_top_k, "top_within_first_pct": within,
-            "prefix_explained": explain_prefix(out, within, 70)}
+            "prefix_explained": explained, **({"reading": explained} if explained else {})}
 
 
 def explain_prefix(segments: Sequence[Mapping[str, Any]], within: Mapping[int, Any], k: int) -> str | None:

@@ -69,7 +69,8 @@ def records(one_thread):
     model = tiny_model("llama")
     items = tasks.build_suite("gated", model.tokenizer, chat=False, n_items=2, length=700, seed=0)
     n_all = model.n_layers * model.adapter.n_heads(model.hf)
-    cfg = knockout.KnockoutConfig(margin=0.0, n_random=2, fractions=[0.1, 0.25, 1.0], head_ks=[1, 2, n_all, 10_000])
+    cfg = knockout.KnockoutConfig(margin=0.0, n_random=2, n_random_dose=2, fractions=[0.1, 0.25, 1.0],
+                                  head_ks=[1, 2, n_all, 10_000])
     return model, cfg, knockout.run(model, items, cfg)
 
 
@@ -111,3 +112,5 @@ def test_head_curves_end_at_the_new_run_and_start_at_the_best_head(records):
     random_12 = next(p for p in s["heads"]["curves"]["random"] if p["n_heads"] == 12)
     assert random_12["n"] <= 2  # items, not draws
     assert s["decision"]["random_matched"]["n"] <= 2 and "top_minus_random" in s["after_notes"]
+    who = ", ".join(s["reverts_reproduced_by"]) or "neither variant"
+    assert s["reading"].startswith("top 25 % most-attended keys masked") and f"reproduced by {who}" in s["reading"]

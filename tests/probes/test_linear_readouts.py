@@ -41,6 +41,14 @@ def test_unmeasurable_accuracy_is_nan_not_chance():
     assert all(math.isnan(a) for a in linear.layer_accuracy(x, y, np.array(["one"] * 40), cfg))
 
 
+def test_a_fold_trained_on_one_class_predicts_it_instead_of_failing():
+    x, y, groups = synthetic()
+    y = np.zeros_like(y)
+    y[groups == "t0"] = 1  # the only positives sit in one template: its held-out fold trains on zeros
+    ok = linear.cv_correct(x, y, groups, n_splits=5, C=1.0)
+    assert ok.shape == (5, 40) and not ok[:, groups == "t0"].any()  # predicted 0, labelled 1
+
+
 def test_why_no_write_depth_says_how_close_and_where():
     x, y, groups = synthetic(written_from=5)  # never written
     ok = linear.cv_correct(x, y, groups, 5, 1.0)
@@ -48,7 +56,7 @@ def test_why_no_write_depth_says_how_close_and_where():
     prompts = [{"label_index": i % 2, "model_label_index": i % 2, "final_pick": "a"} for i in range(40)]
     why = linear.why_unwritten(rows, prompts, "model", 0.9)
     assert why.startswith("model labels: accuracy never reaches 0.9; best")
-    assert "aggregator 3 from the last (rule)" in why and "n = 40 prompts" in why
+    assert "aggregator 3 from the last (rule)" in why and "n = 40 prompts, classes 20 / 20" in why
     one_class = [{"label_index": i % 2, "model_label_index": 0, "final_pick": "escalate"} for i in range(40)]
     assert "single class (escalate" in linear.why_unwritten(rows, one_class, "model", 0.9)
 

@@ -40,6 +40,7 @@ def test_scrub_note_and_rest_partition_the_changed_span(model, items):
     s = scrub.summarize(recs, cfg)
     assert {"note", "rest", "random", "interaction", "note_minus_random"} <= set(s["aggregators"])
     assert s["aggregators"]["random"]["n"] <= 2  # draws averaged per item
+    assert "aggregators: note" in s["reading"] and "(paper 0.79 vs 0.19)" in s["reading"]
 
 
 def test_split_with_full_seam_repair_is_exact_and_without_it_is_not(model, items):
@@ -54,6 +55,7 @@ def test_split_with_full_seam_repair_is_exact_and_without_it_is_not(model, items
     assert s["n_prompts"] == 4 and s["seams"]["10000"]["split"]["agreement"]["mean"] == 1.0
     assert s["seams"]["10000"]["split"]["agreement"]["ci_lo"] < 1.0  # Wilson, not zero width
     assert s["seams"]["0"]["agreement_single_minus_split"]["n"] == 4
+    assert s["reading"].startswith("seam 0: agreement with a full prefill") and "seam 10000: agreement" in s["reading"]
 
 
 def test_split_refuses_items_without_the_segments_before_any_forward(model):
