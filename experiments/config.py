@@ -10,8 +10,9 @@ optional and, when present, lists `/schema/<kind>/<name>@_here_` first in `defau
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ class RunConfig:
     resume: bool = True  # continue the newest unfinished run with the same config hash
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
-    task: Any = None  # task suite (configs/task/), read by kvnotes.tasks
+    task: Any = None  # task suite (configs/task/): a TaskConfig of experiments.task_config once validated
     probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
     experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
 
@@ -142,15 +143,31 @@ def register_schemas(config_dir: Path = CONFIG_DIR) -> None:
     """
     from hydra.core.config_store import ConfigStore
 
+    from experiments.task_config import SCHEMAS
+
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="schema", name="model", node=ModelConfig)
+    for kind, cls in SCHEMAS.items():
+        cs.store(group="schema/task", name=kind, node=cls)
+    OmegaConf.register_new_resolver("kvnotes_groups", lambda: help_groups(config_dir), replace=True)
     for kind in KINDS:
         for name in registry.names(kind):
             node = schema_node(name, registry.get(kind, name).config_cls)
             cs.store(group=f"schema/{kind}", name=name, node=node)
             if not (config_dir / kind / f"{name}.yaml").exists():
                 cs.store(group=kind, name=name, node=node)
+
+
+def help_groups(config_dir: Path = CONFIG_DIR) -> str:
+    """The groups `--help` lists: configs/<group>/*.yaml plus jobs with no yaml (not schema/)."""
+    lines = []
+    for group in sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"):
+        options = {p.stem for p in (config_dir / group).glob("*.yaml")}
+        if group in KINDS:
+            options |= set(registry.names(group))  # type: ignore[arg-type]
+        lines.append(f"{group}: {', '.join(sorted(options))}")
+    return "\n".join(lines)
 
 
 def valid_jobs() -> str:
@@ -172,17 +189,66 @@ def _job_name(kind: str, node: Any) -> str:
     return str(name)
 
 
+def one_line(e: BaseException, prefix: str = "") -> str:
+    """An OmegaConf/Hydra error as one line: `<full key>: <first line of the message>`."""
+    if isinstance(e, ConfigError):
+        return str(e)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), "")
+    head = lines[0] if lines else type(e).__name__
+    return f"{prefix}{key}: {head}" if key else f"{prefix.rstrip('.')}{': ' if prefix else ''}{head}"
+
+
 def _typed(cls: type, node: Any, where: str) -> Any:
-    """Instance of `cls` from `node` (type checks by OmegaConf, value checks by __post_init__)."""
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    """Instance of `cls` from `node` (type checks by OmegaConf, value checks by __post_init__).
+
+    `where` prefixes the key in messages ("task.", "experiment."), so a message names the
+    override to fix.
+    """
+    try:  # a plain copy: merging a typed node would let keys added with `+` through
+        plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as e:
-        raise ConfigError(f"{where}{e}") from None
+        cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else e
+        raise ConfigError(one_line(cause, where)) from None
+
+
+def results_problem(results_dir: str) -> str | None:
+    """Why runs cannot be written under `results_dir` (a file in the way, no permission), or None."""
+    path = Path(results_dir).absolute()
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor must be a writable directory
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        return f"results_dir={results_dir!r} {where}, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"results_dir={results_dir!r}: no permission to write in {probe}"
+    return None
+
+
+def typed_task(node: Any, run_cfg: RunConfig) -> Any:
+    """The task group as its kind's dataclass, its length bounded by the model and memory."""
+    from experiments import budget
+    from experiments.task_config import kind_of, schema_for
+
+    task = _typed(schema_for(kind_of(node)), node, "task.")
+    shape = budget.model_shape(run_cfg.model.name, run_cfg.model.tiny_family, run_cfg.cache_dir)
+    dtype = run_cfg.dtype if run_cfg.dtype != "auto" else run_cfg.model.dtype
+    problem = (budget.position_problem(task.length, run_cfg.model.name, shape) if shape else None) or \
+        budget.memory_problem(task.n_items, task.length, shape,
+                              budget.DTYPE_BYTES.get(dtype, 4), run_cfg.device)
+    if problem:
+        raise ConfigError(problem)
+    return task
 
 
 def validate(cfg: DictConfig) -> Job:
     """Typed, checked view of a composed config; raises ConfigError naming what is valid."""
     run_cfg: RunConfig = _typed(RunConfig, cfg, "")
+    problem = results_problem(run_cfg.results_dir)
+    if problem:
+        raise ConfigError(problem)
     chosen = [k for k in KINDS if cfg.get(k) is not None]
     if len(chosen) != 1:
         what = "both +probe and +experiment" if chosen else "no +probe or +experiment"
@@ -195,5 +261,7 @@ def validate(cfg: DictConfig) -> Job:
     except KeyError as e:
         raise ConfigError(f"{e.args[0]}; {valid_jobs()}") from None
     body = OmegaConf.masked_copy(node, [k for k in node if k != "name"])
-    params = body if entry.config_cls is None else _typed(entry.config_cls, body, f"{kind} {name}: ")
+    params = body if entry.config_cls is None else _typed(entry.config_cls, body, f"{kind}.")
+    if cfg.get("task") is not None:
+        run_cfg = replace(run_cfg, task=typed_task(cfg.task, run_cfg))
     return Job(run_cfg, kind, name, params, entry)

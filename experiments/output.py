@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+log = logging.getLogger(__name__)
 UNIT = "unit"  # column naming the unit a record was written in
 NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress")  # do not change results
 
@@ -106,19 +109,36 @@ class RecordWriter:
         return frame
 
     def cleanup(self) -> None:
-        """Drop the parts once the run is completed (records.parquet holds them all)."""
-        for p in self.parts.glob("*.parquet"):
-            p.unlink()
-        self.parts.rmdir()
+        """Drop the parts once the run is completed (records.parquet holds them all).
+
+        Never raises: a leftover file (a `.tmp` of a killed attempt) or a part another tool
+        holds open is logged and left, since the run itself is complete.
+        """
+        if not self.parts.is_dir():
+            return
+        for p in self.parts.iterdir():
+            if p.suffix in (".parquet", ".tmp") and p.is_file():
+                p.unlink(missing_ok=True)
+        try:
+            self.parts.rmdir()
+        except OSError as e:
+            log.warning("left %s in place: %s", self.parts, e.strerror or e)
 
 
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
+class RunDirError(Exception):
+    """A run directory that cannot be used: not writable, or held by another process."""
+
+
 def new_dir(parent: Path) -> Path:
     """parent/<timestamp>, with a -1, -2, ... suffix if that second is already taken."""
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory under {parent}: {e.strerror or e}") from None
     base = _stamp()
     for i in range(1000):
         path = parent / (base if i == 0 else f"{base}-{i}")
@@ -127,7 +147,18 @@ def new_dir(parent: Path) -> Path:
             return path
         except FileExistsError:
             continue
+        except OSError as e:
+            raise RunDirError(f"cannot create the run directory {path}: {e.strerror or e}") from None
     raise RuntimeError(f"cannot create a run directory under {parent}")
+
+
+def _status(path: Path, chash: str) -> str | None:
+    """The status in path/meta.json when its config hash is `chash`, else None."""
+    try:
+        m = read_json(path / "meta.json")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return str(m.get("status")) if m.get("config_hash") == chash else None
 
 
 def find_unfinished(parent: Path, chash: str) -> Path | None:
@@ -135,16 +166,53 @@ def find_unfinished(parent: Path, chash: str) -> Path | None:
     if not parent.is_dir():
         return None
     for path in sorted((p for p in parent.iterdir() if p.is_dir()), reverse=True):
-        meta = path / "meta.json"
-        if not meta.exists():
-            continue
-        try:
-            m = read_json(meta)
-        except (OSError, json.JSONDecodeError):
-            continue
-        if m.get("config_hash") == chash and m.get("status") != "completed":
+        status = _status(path, chash)
+        if status is not None and status != "completed":
             return path
     return None
+
+
+class RunLock:
+    """An exclusive lock on a run directory (filelock: flock, freed by the OS if the holder dies).
+
+    The holder writes its pid, host and start time to `.holder.json` beside the lock, so a
+    second process that finds the directory taken can say by whom.
+    """
+
+    LOCK = ".lock"
+    HOLDER = ".holder.json"
+
+    def __init__(self, path: Path) -> None:
+        from filelock import FileLock
+
+        self.path = path
+        self._lock = FileLock(str(path / self.LOCK))
+
+    def acquire(self) -> bool:
+        """Take the lock without waiting; False when another process holds it."""
+        from filelock import Timeout
+
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            return False
+        except OSError as e:
+            raise RunDirError(f"cannot lock {self.path}: {e.strerror or e}") from None
+        write_json(self.path / self.HOLDER, {"pid": os.getpid(), "host": socket.gethostname(),
+                                             "since": now_iso()})
+        return True
+
+    def holder(self) -> str:
+        try:
+            h = read_json(self.path / self.HOLDER)
+            return f"pid {h.get('pid')} on {h.get('host')} (since {h.get('since')})"
+        except (OSError, json.JSONDecodeError):
+            return "another process"
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            (self.path / self.HOLDER).unlink(missing_ok=True)
+            self._lock.release()
 
 
 @dataclass
@@ -153,27 +221,53 @@ class RunDir:
 
     path: Path
     meta: dict[str, Any]
+    lock: RunLock | None = None
     started: float = field(default_factory=time.monotonic)
 
     @classmethod
     def open(
         cls, results_dir: Path, job: str, model: str, cfg: DictConfig, chash: str, resume: bool,
-        meta: Mapping[str, Any],
+        meta: Mapping[str, Any], attempt: Mapping[str, Any] | None = None,
     ) -> RunDir:
-        """Resume the newest unfinished run with hash `chash` (if `resume`), else start one."""
+        """Resume the newest unfinished run with hash `chash` (if `resume`), else start one.
+
+        The directory is locked for as long as this RunDir is open (`close`). An unfinished run
+        that another process holds is refused (RunDirError naming the holder) rather than
+        shared; one that completed between the search and the lock is left alone.
+        """
         parent = Path(results_dir) / job / model
-        found = find_unfinished(parent, chash) if resume else None
-        if found is not None:
+        run: RunDir | None = None
+        while resume and run is None:
+            found = find_unfinished(parent, chash)
+            if found is None:
+                break
+            lock = RunLock(found)
+            if not lock.acquire():
+                raise RunDirError(f"{found} is in use by {lock.holder()}: wait for it to finish, or "
+                                  "pass resume=false to start a separate run")
+            if _status(found, chash) == "completed":  # finished while we looked: never rewrite it
+                lock.release()
+                continue
             old = read_json(found / "meta.json")
-            run = cls(found, {**old, **meta, "start_time": old.get("start_time")})
-        else:
+            run = cls(found, {**old, **meta, "start_time": old.get("start_time")}, lock)
+        if run is None:
             path = new_dir(parent)
+            lock = RunLock(path)
+            if not lock.acquire():  # nobody else knows this directory yet
+                raise RunDirError(f"{path} is in use by {lock.holder()}")
             (path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            run = cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []})
-        attempt = {"start_time": now_iso(), "git_commit": meta.get("git", {}).get("commit")}
-        run.meta["attempts"] = [*run.meta.get("attempts", []), attempt]
+            run = cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []}, lock)
+        entry = {"start_time": now_iso(), "git_commit": meta.get("git", {}).get("commit"),
+                 **(attempt or {})}
+        run.meta["attempts"] = [*run.meta.get("attempts", []), entry]
         run.set_status("running")
         return run
+
+    def close(self) -> None:
+        """Release the lock (the process exiting releases it too)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def resumed(self) -> bool:

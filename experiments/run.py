@@ -14,8 +14,11 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import os
 import pkgutil
 import random
+import shlex
+import socket
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,13 +26,23 @@ from typing import Any
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from experiments.config import ConfigError, Job, RunConfig, register_schemas, validate
-from experiments.output import RecordWriter, RunDir, config_hash, now_iso, read_json, summary_table
+from experiments.config import ConfigError, Job, RunConfig, one_line, register_schemas, validate
+from experiments.output import (
+    RecordWriter,
+    RunDir,
+    RunDirError,
+    config_hash,
+    now_iso,
+    read_json,
+    summary_table,
+)
 from kvnotes import provenance
 
 log = logging.getLogger(__name__)
-INFRA = frozenset({"run", "config", "output", "registry", "summarize"})  # experiments/ modules that register nothing
+INFRA = frozenset({"run", "config", "output", "registry", "summarize", "task_config", "budget"})  # register nothing
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 RETURNED = "returned"  # unit key of the records an experiment returns
 
 
@@ -108,6 +121,7 @@ def load(cfg: RunConfig) -> Any:
     dtype = cfg.dtype if cfg.dtype != "auto" else cfg.model.dtype
     if cfg.model.tiny_family is None:
         model = load_model(cfg.model.name, device=cfg.device, dtype=dtype, cache=cfg.cache_dir)
+        assert model.spec is not None  # a registered model always has its spec
         spec = dataclasses.replace(model.spec, margin=cfg.model.margin)  # probes read spec.margin
         return dataclasses.replace(model, spec=spec)
     from kvnotes.models.tiny import tiny_model
@@ -129,12 +143,13 @@ def load_items(model: Any, cfg: RunConfig) -> list[Any]:
         raise ConfigError("a probe needs a task suite: add task=<suite> (configs/task/)")
     from kvnotes import tasks
 
-    spec = dict(cfg.task)
-    name = spec.pop("name", None)
-    chat = use_chat(cfg, model)
-    if spec.get("seed") is None:  # the run's seed draws the suite unless the task pins one
-        spec["seed"] = cfg.seed
-    return list(tasks.build_suite(name, tokenizer=model.tokenizer, chat=chat, **spec))
+    kwargs = cfg.task.build_kwargs()  # a TaskConfig (experiments.task_config), validated
+    if kwargs["seed"] is None:  # the run's seed draws the suite unless the task pins one
+        kwargs["seed"] = cfg.seed
+    try:
+        return list(tasks.build_suite(tokenizer=model.tokenizer, chat=use_chat(cfg, model), **kwargs))
+    except ValueError as e:  # a length below the prompt's skeleton, outcomes this tokenizer merges
+        raise ConfigError(f"task {cfg.task.name!r}: {e}") from None
 
 
 def item_key(item: Any, index: int) -> str:
@@ -171,10 +186,68 @@ def build_summary(job: Job, records: Any) -> dict[str, Any]:
     return summary
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as a user would type it again (`python -m experiments.run ...`)."""
+    argv = list(sys.argv if argv is None else argv)
+    head = ["python", "-m", "experiments.run"] if argv and argv[0].endswith("experiments/run.py") else argv[:1]
+    return shlex.join([*head, *argv[1:]])
+
+
+def hydra_overrides() -> list[str] | None:
+    """This job's overrides as Hydra parsed them (per job in a multirun), None outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return list(HydraConfig.get().overrides.task)
+
+
+def record_invocation(path: Path, attempt: int) -> None:
+    """command.txt (one line per attempt) and overrides.yaml (this attempt's): how to rerun it."""
+    import yaml
+
+    with open(path / "command.txt", "a", encoding="utf-8") as f:
+        f.write(f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
+    overrides = hydra_overrides()
+    (path / "overrides.yaml").write_text(yaml.safe_dump(overrides if overrides is not None else [],
+                                                        default_flow_style=False))
+
+
+class RunLog:
+    """Everything logged while the run dir is open also goes to <run dir>/run.log (appended)."""
+
+    def __init__(self, path: Path) -> None:
+        self.handler = logging.FileHandler(path / "run.log", encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.root = logging.getLogger()
+        self.level = self.root.level
+
+    def __enter__(self) -> RunLog:
+        self.root.addHandler(self.handler)
+        if self.level > logging.INFO:  # the run's INFO lines belong in run.log
+            self.root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.root.removeHandler(self.handler)
+        self.root.setLevel(self.level)
+        self.handler.close()
+
+
+def check_loaded_positions(cfg: RunConfig, model: Any) -> None:
+    """The position bound, when validation could not read the model's config (fetched just now)."""
+    limit = getattr(getattr(getattr(model, "hf", None), "config", None), "max_position_embeddings", None)
+    if cfg.task is None or cfg.model.tiny_family is not None or not isinstance(limit, int):
+        return
+    if cfg.task.length > limit:
+        raise ConfigError(f"task.length={cfg.task.length} exceeds the {limit} positions of model "
+                          f"{cfg.model.name}; use task.length <= {limit}")
+
+
 def run(cfg: DictConfig) -> Path:
     """Validate, open/resume the run directory, run the job, write records + summary."""
     discover()  # a launcher's worker process (joblib, submitit) starts with an empty registry
-    job = validate(cfg)
+    job = validate(cfg)  # nothing is written before the config is valid
     from kvnotes.models import resolve_device
 
     device = str(resolve_device(job.cfg.device))
@@ -187,12 +260,27 @@ def run(cfg: DictConfig) -> Path:
         "device": device,
         **provenance.collect(),
     }
+    attempt = {"command": command_line(), "overrides": hydra_overrides(), "pid": os.getpid(),
+               "host": socket.gethostname()}
     rd = RunDir.open(Path(job.cfg.results_dir), job.name, job.cfg.model.name, cfg, chash,
-                     job.cfg.resume, meta)
+                     job.cfg.resume, meta, attempt)
+    try:
+        record_invocation(rd.path, len(rd.meta["attempts"]))
+        with RunLog(rd.path):
+            _run_in(rd, job)
+    finally:
+        rd.close()
+    return rd.path
+
+
+def _run_in(rd: RunDir, job: Job) -> None:
+    """Load, run and summarise inside an open (locked) run directory; its status says how it ended."""
     log.info("%s run dir: %s", "resuming" if rd.resumed else "new", rd.path)
+    log.info("command: %s", command_line())
     try:
         _seed(job.cfg.seed)
         model = load(job.cfg)
+        check_loaded_positions(job.cfg, model)
         rd.update(model=model.provenance(), dtype=str(model.dtype).removeprefix("torch."))
         ctx = Context(job, model, RecordWriter(rd.path), rd.path)
         (run_probe if job.kind == "probe" else run_experiment)(ctx)
@@ -203,10 +291,11 @@ def run(cfg: DictConfig) -> Path:
         raise
     except BaseException as e:
         rd.set_status("failed", error=f"{type(e).__name__}: {e}")
+        log.error("failed: %s: %s", type(e).__name__, e)
         raise
     rd.set_status("completed")
-    ctx.writer.cleanup()
-    return rd.path
+    log.info("completed: %s", rd.path)
+    ctx.writer.cleanup()  # never raises: a completed run stays completed
 
 
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
@@ -215,7 +304,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         path = run(cfg)
-    except (ConfigError, WeightsError) as e:
+    except (ConfigError, WeightsError, RunDirError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: finished units are on disk; rerun the same command to resume",
@@ -225,6 +314,41 @@ def main(cfg: DictConfig) -> None:
     print(f"run dir: {path}")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m experiments.run`: Hydra's main, with a config that does not compose (a
+    misspelt key, a wrong type) reported as one `error:` line instead of Hydra's report.
+
+    Hydra re-raises instead of reporting when HYDRA_FULL_ERROR is set; unless the user set it
+    (then they want the full trace), we set it, catch composition errors and print one line.
+    """
+    from hydra.errors import HydraException
+
     prepare()
-    main()
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        sys.exit(f"error: {compose_message(e)}")
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def compose_message(e: BaseException) -> str:
+    """One line from a Hydra composition error and the OmegaConf error that caused it."""
+    if isinstance(e, OmegaConfBaseException):
+        return one_line(e)
+    lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]
+    head = lines[0].rstrip(".") if lines else type(e).__name__
+    if isinstance(e.__cause__, OmegaConfBaseException):
+        return f"{head}: {one_line(e.__cause__)}"
+    if len(lines) > 1:  # "Available options in 'task':", one option per line, the search path
+        options = lines[2:lines.index("Config search path:")] if "Config search path:" in lines else lines[2:]
+        return f"{head}; {lines[1]} {', '.join(options)}".rstrip()
+    return head
+
+
+if __name__ == "__main__":
+    cli()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from experiments.config import ConfigError
 from experiments.registry import register
 from kvnotes import serving
 from kvnotes.edit import ERRATA, erratum_text
@@ -230,8 +231,8 @@ def _server_spec(ctx: Context, cfg: ServingConfig) -> serving.ServerSpec:
     python = Path(cfg.python)
     python = python if python.is_absolute() else ROOT / python
     if not python.exists():
-        raise FileNotFoundError(f"{python} not found: create the server env with "
-                                "`bash scripts/serving_env.sh`, or give experiment.url")
+        raise ConfigError(f"experiment.python={cfg.python!r}: {python} not found; create the server env "
+                          "with `bash scripts/serving_env.sh`, or give experiment.url")
     if not ctx.model.source_path:
         raise ValueError(f"model {ctx.model.name} has no HF folder to serve")
     return serving.ServerSpec(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from experiments import registry
 from experiments.config import KINDS, ConfigError, validate
 from experiments.run import prepare
+from experiments.task_config import SCHEMAS, GatedTask, MemoryTask, SkillsTask
 from kvnotes.models import get_spec, model_names
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -79,7 +82,8 @@ def test_defaults():
     assert cfg.model.name == "llama"
     assert (cfg.device, cfg.dtype, cfg.seed, cfg.resume) == ("auto", "auto", 0, True)
     assert cfg.results_dir == "results/runs" and cfg.cache_dir is None
-    assert cfg.task["name"] == "gated"  # the default suite
+    assert isinstance(cfg.task, GatedTask) and cfg.task.name == "gated"  # the default suite, typed
+    assert cfg.task.build_kwargs()["suite"] == "gated" and cfg.task.template_dirs == []
     assert job.params.seams == [0, 1, 2, 4, 8, 16]
 
 
@@ -175,3 +179,113 @@ def test_task_group_is_optional_and_selectable():
             make("+experiment=selfcheck", "task=nonexistent")
     for suite in suites:
         assert make("+experiment=selfcheck", f"task={suite}").task is not None
+
+
+# --- the typed task group ---------------------------------------------------------------------
+
+TINY = ["model.name=tiny-llama", "model.tiny_family=llama"]
+
+
+def test_every_task_yaml_lists_its_kind_schema_first():
+    for path in (CONFIGS / "task").glob("*.yaml"):
+        defaults = yaml.safe_load(path.read_text()).get("defaults", [])
+        assert defaults[:1] and defaults[0].startswith("/schema/task/"), path
+        kind = defaults[0].removeprefix("/schema/task/").removesuffix("@_here_")
+        assert kind in SCHEMAS, path
+
+
+@pytest.mark.parametrize(("suite", "cls"), [("gated", GatedTask), ("gated-trigger", GatedTask),
+                                            ("skills", SkillsTask), ("memory", MemoryTask)])
+def test_each_suite_kind_gets_its_dataclass(suite, cls):
+    job = validate(make("+experiment=selfcheck", f"task={suite}"))
+    assert type(job.cfg.task) is cls and job.cfg.task.name == suite
+
+
+@pytest.mark.parametrize("override", ["task.n_items=abc", "task.nitems=4", "task.length=long",
+                                      "task.design.fewshot=two", "task.design.nope=1"])
+def test_task_misspelt_key_or_wrong_type_fails_at_composition(override):
+    with pytest.raises(COMPOSE_ERRORS):
+        make("+experiment=selfcheck", override)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("task.n_items=-3", "task.n_items must be >= 1, got -3"),
+        ("+task.nitems=4", "task.nitems: Key 'nitems' not in 'GatedTask'"),
+        ("task.length=0", "task.length must be >= 1"),
+        ("task.seed=-1", "task.seed must be >= 0"),
+        ("task.name=gatd", "valid suites: .*gated"),
+        ("task.name=memory", "is a memory suite, but task is typed as gated: use task=memory"),
+        ("task.name=agents", "agent scenarios are built by \\+experiment=agent"),
+        ("task.domains=[refund,nope]", "task.domains: \\['nope'\\] not in suite 'gated'; valid: access"),
+        ("task.design.fewshot=3", "fewshot must be an even number"),
+        ("task.design.rule_position=top", "rule_position 'top'"),
+        ("task.kind=memory", "task.kind is fixed to 'gated'"),
+        ("task.template_dirs=[/no/such/dir]", "template_dirs: '/no/such/dir' is not a directory"),
+    ],
+)
+def test_bad_task_values_fail_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(make("+experiment=selfcheck", *TINY, override))
+
+
+def test_trigger_suite_refuses_demonstrations():
+    with pytest.raises(ConfigError, match="fewshot must be 0 for a trigger suite"):
+        validate(make("+experiment=selfcheck", "task=gated-trigger", "task.design.fewshot=2"))
+
+
+def test_plus_key_on_a_typed_job_node_is_refused_too():
+    with pytest.raises(ConfigError, match="experiment.n_blokcs: Key 'n_blokcs' not in 'SelfcheckConfig'"):
+        validate(make("+experiment=selfcheck", "+experiment.n_blokcs=3"))
+
+
+def test_template_dirs_is_a_task_key(tmp_path):
+    (tmp_path / "library.yaml").write_text(
+        "kind: gated\ndomains: []\nextra_domains:\n  library:\n    role: a library assistant\n"
+        "    field: card_status\n    values: [valid, blocked]\n    outcomes: [lend_book, ask_librarian]\n"
+        "    requests: [I would like to borrow this book.]\n"
+    )
+    job = validate(make("+experiment=selfcheck", f"task.template_dirs=[{tmp_path}]", "task.name=library"))
+    kwargs = job.cfg.task.build_kwargs()
+    assert kwargs["suite"] == "library" and kwargs["template_dirs"] == [str(tmp_path)]
+
+
+def test_task_length_is_bounded_by_the_model_positions(tmp_path):
+    """The bound comes from config.json in the cache (no weights loaded)."""
+    folder = tmp_path / "models" / "llama"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "max_position_embeddings": 8192, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "hidden_size": 576}))
+    cfg = make("+experiment=selfcheck", "model=llama", f"cache_dir={tmp_path}", "task.length=10000000")
+    with pytest.raises(ConfigError, match="task.length=10000000 exceeds the 8192 positions of model llama"):
+        validate(cfg)
+    ok = validate(make("+experiment=selfcheck", "model=llama", f"cache_dir={tmp_path}", "task.length=8192",
+                       "task.n_items=1"))
+    assert ok.cfg.task.length == 8192
+
+
+def test_task_length_is_bounded_by_a_memory_estimate():
+    """A tiny random model has no position bound; the memory estimate still refuses 10M tokens."""
+    with pytest.raises(ConfigError, match="task.length=10000000 with task.n_items=48 needs about .* of memory"):
+        validate(make("+experiment=selfcheck", *TINY, "task.length=10000000"))
+    assert validate(make("+experiment=selfcheck", *TINY, "task.length=8000")).cfg.task.length == 8000
+
+
+def test_results_dir_that_is_a_file_fails_validation(tmp_path):
+    (tmp_path / "results").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        validate(make("+experiment=selfcheck", *TINY, f"results_dir={tmp_path / 'results'}"))
+    with pytest.raises(ConfigError, match="which is a file"):
+        validate(make("+experiment=selfcheck", *TINY, f"results_dir={tmp_path / 'results' / 'runs'}"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_unwritable_results_dir_fails_validation(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="no permission to write"):
+            validate(make("+experiment=selfcheck", *TINY, f"results_dir={tmp_path / 'runs'}"))
+    finally:
+        tmp_path.chmod(0o700)

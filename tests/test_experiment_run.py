@@ -82,8 +82,10 @@ def test_config_hash_ignores_bookkeeping_keys(tmp_path):
 def test_selfcheck_end_to_end(tmp_path):
     run_dir = runner.run(selfcheck_cfg(tmp_path))
     assert run_dir.parent == tmp_path / "selfcheck" / "tiny-llama"
-    assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "meta.json", "records.parquet",
-                                                   "summary.json"}
+    assert {p.name for p in run_dir.iterdir() if not p.name.startswith(".")} == {
+        "config.yaml", "meta.json", "records.parquet", "summary.json", "command.txt", "overrides.yaml",
+        "run.log"}
+    assert not (run_dir / ".holder.json").exists()  # the lock is released with the run
     assert OmegaConf.load(run_dir / "config.yaml").experiment.n_blocks == 3
     meta = read(run_dir / "meta.json")
     assert meta["status"] == "completed" and meta["error"] is None
