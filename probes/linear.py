@@ -267,7 +267,7 @@ def summarize_label(records: Sequence[Mapping[str, Any]], prompts: Sequence[Mapp
 def summarize(records: Sequence[Mapping[str, Any]], cfg: LinearConfig) -> dict[str, Any]:
     layers = sorted((r for r in records if r.get("condition") == "layer"), key=lambda r: r["layer"])
     prompts = [r for r in records if r.get("condition") == "prompt"]
-    out = {
+    out: dict[str, Any] = {
         "n_prompts": len(prompts),
         "n_items": len({r["item_id"] for r in prompts}),
         "accuracy_by_layer": [r["accuracy"] for r in layers],
@@ -281,11 +281,11 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: LinearConfig) -> dict[s
     }
     labels = sorted({str(r["label"]) for r in records if r.get("condition") == "probe"})
     if labels:
-        out["labels"] = {lab: summarize_label(records, prompts, lab, cfg.threshold) for lab in labels}
+        by = {lab: summarize_label(records, prompts, lab, cfg.threshold) for lab in labels}
+        out["labels"] = by
         out["reading"] = "; ".join(
-            out["labels"][lab]["why_no_write_depth"] or
-            f"{lab} labels: write depth {out['labels'][lab]['write_depth_best']:.2f} at the best aggregator"
-            for lab in labels) + f"; the model answers correctly in {out['final_pick_correct']['mean']:.2f} of prompts"
+            by[lab]["why_no_write_depth"] or f"{lab} labels: write depth {by[lab]['write_depth_best']:.2f} at the best "
+            "aggregator" for lab in labels) + f"; the model answers correctly in {out['final_pick_correct']['mean']:.2f} of prompts"
     return out
 
 
