@@ -188,8 +188,11 @@ def build_summary(job: Job, records: Any) -> dict[str, Any]:
 
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command as a user would type it again (`python -m experiments.run ...`)."""
-    argv = list(sys.argv if argv is None else argv)
-    head = ["python", "-m", "experiments.run"] if argv and argv[0].endswith("experiments/run.py") else argv[:1]
+    argv = list(sys.argv if argv is None else argv) or [""]
+    if argv[0].endswith("experiments/run.py"):
+        head = ["python", "-m", "experiments.run"]
+    else:  # `kvnotes run` (kvnotes.cli) sets argv[0] to its two words
+        head = argv[0].split() if argv[0].startswith("kvnotes ") else argv[:1]
     return shlex.join([*head, *argv[1:]])
 
 

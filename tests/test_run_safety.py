@@ -256,3 +256,9 @@ def test_run_dir_records_command_overrides_and_log(tmp_path):
     assert "new run dir" in log and "completed" in log and "INFO" in log
     attempt = read(run_dir / "meta.json")["attempts"][0]
     assert attempt["overrides"] == args and attempt["command"] == command[1]
+
+
+def test_command_line_reads_as_typed():
+    assert runner.command_line(["/repo/experiments/run.py", "+probe=patching", "task.domains=[a,b]"]) == \
+        "python -m experiments.run +probe=patching 'task.domains=[a,b]'"
+    assert runner.command_line(["kvnotes run", "+experiment=selfcheck"]) == "kvnotes run +experiment=selfcheck"
