@@ -68,6 +68,9 @@ def suffix_records() -> list[dict]:
             rows.append({**b, "condition": "topk", "k": float(k), "n_positions": float(k), "recovery": min(1, 0.1 * k)})
             rows += [{**b, "condition": "randomk", "k": float(k), "n_positions": float(k), "draw": float(d),
                       "recovery": RNG.normal(0.01, 0.02)} for d in range(3)]
+        for seg, lo, hi, top in (("session", 0, 10, 0), ("policy", 10, 60, 1), ("rule", 60, 75, 2), ("task", 75, 100, 5)):
+            rows.append({**b, "condition": "segment", "segment": seg, "start_pct": float(lo), "end_pct": float(hi),
+                         "n_positions": 10.0, "effect_sum": 0.1, "effect_max": 0.05, "n_top": top, "top_k": 8})
     return [{**r, "score": 0.0} for r in rows]
 
 
@@ -428,7 +431,7 @@ def test_knockout_dose_keeps_attention_share_and_recovery_on_separate_axes(frame
     titles = " ".join(ax.get_title() for ax in captured[0].axes)
     assert "signed reversion" in titles and "read heads" in titles
     ticks = " ".join(t.get_text() for ax in captured[0].axes for t in ax.get_xticklabels())
-    assert "over 1" in ticks  # the overshooting item is counted apart from the reverted ones
+    assert "rev 3/4\nover 1" in ticks  # the overshooting item is counted apart from the reverted ones
 
 
 def test_edit_frontier_draws_one_legend_and_keeps_oracle_strategies_off_the_line(frame, captured, tmp_path):
@@ -463,6 +466,18 @@ def test_edit_frontier_charges_cot_for_its_reasoning_and_leaves_out_empty_panels
     edit_frontier.make(ed, tmp_path)
     titles = [ax.get_title() for ax in _visible(captured[-1])]
     assert len(titles) == 3 and not any(t.startswith("qwen: P(correct)") for t in titles)
+
+
+def test_memoization_map_shades_the_prompt_segments(frame, captured, tmp_path):
+    from analysis.figures import memoization_map
+
+    table = memoization_map.segment_table(frame[(frame["job"] == "suffix") & (frame["model"] == "llama")])
+    assert list(table["segment"]) == ["session", "policy", "rule", "task"]
+    assert table.set_index("segment")["top_share"].to_dict() == pytest.approx(
+        {"session": 0.0, "policy": 1 / 8, "rule": 2 / 8, "task": 5 / 8})
+    memoization_map.make(frame, tmp_path)
+    texts = [t.get_text() for t in captured[0].axes[0].texts]
+    assert "task 0.62" in texts and "rule 0.25" in texts
 
 
 def test_probe_depth_shows_both_labels_and_why_no_write_depth(frame, captured, tmp_path):

@@ -13,6 +13,7 @@ generates. Panels without a usable item are left out. The paper: erratum 1.00, f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -81,7 +82,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
     names = sorted({base_name(s) for s in df["strategy"]})
     colours = {s: style.plt.get_cmap("tab20")(j % 20) for j, s in enumerate(names)}
     fig, axes = style.panels(len(panels), ncols=min(len(panels), 2), size=(5.0, 3.6))
-    handles: dict[str, object] = {}
+    handles: dict[str, Any] = {}
     for ax, (m, (value, usable, label)) in zip(axes, panels):
         d = df[df["model"] == m]
         cost = ci_table(d, "cost", ["strategy"])
@@ -94,14 +95,14 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
             c = colours[base_name(r.strategy)]
             xerr = [[max(0.0, r.x - r.x_lo) if pd.notna(r.x_lo) else 0], [max(0.0, r.x_hi - r.x) if pd.notna(r.x_hi) else 0]]
             yerr = [[max(0.0, r.mean - r.lo) if pd.notna(r.lo) else 0], [max(0.0, r.hi - r.mean) if pd.notna(r.hi) else 0]]
-            h = ax.errorbar([r.x], [r.mean], xerr=xerr, yerr=yerr, fmt="*" if oracle else "o", color=c,
-                            ms=9 if oracle else 5, capsize=2, mfc="white" if r.strategy in hollow else c)
+            point = ax.errorbar([r.x], [r.mean], xerr=xerr, yerr=yerr, fmt="*" if oracle else "o", color=c,
+                                ms=9 if oracle else 5, capsize=2, mfc="white" if r.strategy in hollow else c)
             lab = str(r.strategy) + (" (needs the oracle)" if oracle else "") + (" (hollow: CoT)" if r.strategy in hollow else "")
-            handles.setdefault(lab, h)
+            handles.setdefault(lab, point)
         f = frontier(t)
         if len(f) > 1:
-            h = ax.plot(f["x"], f["mean"], color="k", lw=0.8, alpha=0.6)[0]
-            handles.setdefault("frontier (strategies that need no oracle)", h)
+            line = ax.plot(f["x"], f["mean"], color="k", lw=0.8, alpha=0.6)[0]
+            handles.setdefault("frontier (strategies that need no oracle)", line)
         ax.set_xscale("symlog", linthresh=0.01)
         ax.set_xlim(-0.001, max(1.3, float(np.nanmax(t["x"])) * 1.1) if len(t) else 1.3)
         ax.axhline(0, color="k", lw=0.4)

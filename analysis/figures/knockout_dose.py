@@ -80,8 +80,8 @@ def reversion_panel(ax, d: pd.DataFrame) -> None:  # noqa: ANN001
         ax.hlines(np.median(r), j - 0.3, j + 0.3, color="k", lw=1.4)
         n = len(r)
         ticks.append(j)
-        labels.append(f"{'top 25 %' if cond == 'top' else 'matched random'}\n{v}\n"
-                      f"rev {int(((r >= LO) & (r <= HI)).sum())}/{n}, over {int((r > HI).sum())}, "
+        labels.append(f"{'top 25 %' if cond == 'top' else 'random'}\n{v.replace('_', ' ')}\n"
+                      f"rev {int(((r >= LO) & (r <= HI)).sum())}/{n}\nover {int((r > HI).sum())}, "
                       f"away {int((r < 0).sum())}")
     ax.axhspan(LO, HI, color="#2ca02c", alpha=0.12, lw=0, label=f"reverted: {LO:g} <= r <= {HI:g}")
     ax.axhline(0, color="k", lw=0.6)

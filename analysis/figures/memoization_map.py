@@ -4,7 +4,10 @@ Top row, per model: the suffix and prefix curves of probe `suffix` (k = 2 ... 10
 field-only recovery of probe `patching` as a horizontal line: if the notes sit at the end of the
 prompt, the suffix curve rises early while the prefix curve and the field stay low (paper: suffix
 ~0.8 by 20 %, prefix ~0.3 until 70 %). Bottom row: top-k positions by individual effect against
-random sets of the same size (paper: top-8 0.74-0.79, random-8 <= 0.035).
+random sets of the same size (paper: top-8 0.74-0.79, random-8 <= 0.035). Where the run
+recorded it, the prompt segments (session, policy, tools, rule, examples, request, task line) are
+shaded along the top row at their mean place in the downstream span, with the share of the top-8
+positions each holds: a prefix curve can only rise once it reaches the segments that hold them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import style
-from analysis.aggregate import ci_table
+from analysis.aggregate import ci_table, to_float
 from analysis.figures import Skip
 from analysis.load import select
 
@@ -22,6 +25,29 @@ NAME = "memoization_map"
 TITLE = "Memoization map: suffix vs prefix of the downstream span"
 NEEDS = "probe suffix (task gated); the field-only line from probe patching (task gated)"
 TASKS = ["gated"]
+
+
+def segment_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per prompt segment: mean start / end in % of the downstream span and the mean share of the
+    top-k positions it holds (items without the segment count 0)."""
+    seg = df[df["condition"] == "segment"] if len(df) and "segment" in df else df.iloc[:0]
+    if seg.empty:
+        return pd.DataFrame(columns=["segment", "start_pct", "end_pct", "top_share"])
+    n_items = seg["item_id"].nunique()
+    share = to_float(seg["n_top"]) / to_float(seg["top_k"])
+    t = seg.assign(share=share).groupby("segment").agg(start_pct=("start_pct", "mean"), end_pct=("end_pct", "mean"),
+                                                       top_share=("share", "sum"))
+    t["top_share"] = t["top_share"] / n_items
+    return t.reset_index().sort_values("start_pct")
+
+
+def shade_segments(ax, suffix: pd.DataFrame, model: str) -> None:  # noqa: ANN001 - a matplotlib Axes
+    t = segment_table(suffix[suffix["model"] == model] if len(suffix) else suffix)
+    for j, r in enumerate(t.itertuples()):
+        ax.axvspan(r.start_pct, r.end_pct, color="#000000", alpha=0.04 if j % 2 else 0.09, lw=0)
+        if r.end_pct - r.start_pct >= 4:
+            ax.text((r.start_pct + r.end_pct) / 2, 0.02, f"{r.segment} {r.top_share:.2f}", fontsize=5.5,
+                    color="#555555", ha="center", va="bottom", rotation=90, transform=ax.get_xaxis_transform())
 
 
 def make(frame: pd.DataFrame, out: Path) -> list[Path]:
@@ -50,6 +76,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
                 ax.axhspan(r["lo"], r["hi"], color="#2ca02c", alpha=style.CI_ALPHA, lw=0)
         else:
             notes.append(f"{m}: no patching run, field-only line absent")
+        shade_segments(ax, select(frame, "suffix", TASKS), m)
         style.paper_hline(ax, 0.8, "paper: suffix ~0.8 at 20 %")
         ax.plot([70], [0.3], marker="x", color=style.PAPER, ls="none", label="paper: prefix ~0.3 at 70 %")
         ax.set_title(f"{m}: cumulative patch")
@@ -72,7 +99,9 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
                "is patched into the old cache over the last (suffix) or first (prefix) k % of the "
                "positions after the field; green: field-only. n = usable items per model: "
                + ", ".join(f"{m} {n_items[m]}" for m in models)
-               + ". Shaded: 95 % bootstrap CI over items (random-k: draws averaged per item first). Grey: paper."
+               + ". Shaded: 95 % bootstrap CI over items (random-k: draws averaged per item first). Grey: paper. "
+               "Grey columns (top row): prompt segments at their mean place in the downstream span, labelled "
+               "with the share of the top-8 positions by individual effect they hold."
                + ("" if not notes else " " + "; ".join(notes) + "."))
     runs = pd.concat([df, field]) if len(field) else df
     return style.finish(fig, TITLE, caption, out, NAME, runs)
