@@ -4,13 +4,17 @@
 keys already rotated (post-RoPE), exactly what attention reads. Every operation returns a new
 cache; conversion to a transformers `DynamicCache` builds full (non-sliding) layers, so the cache
 index of a token is always its absolute position, on sliding-window layers too (the sliding
-mask is applied from positions, not by dropping entries).
+mask is applied from positions, not by dropping entries). A forward writes into `Slots` layers:
+per-layer buffers with room for its new tokens, so the old cache is copied once, up front, and
+a recompute writes its K/V into place without a second copy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -190,3 +194,80 @@ def patch(
         tuple(one(a, b, i) for i, (a, b) in enumerate(zip(dst.keys, src.keys))),
         tuple(one(a, b, i) for i, (a, b) in enumerate(zip(dst.values, src.values))),
     )
+
+
+# --- buffers a forward writes into (kvnotes.run) -------------------------------------------
+
+
+@functools.cache
+def slots_class() -> Any:
+    """`Slots`, a transformers DynamicLayer subclass (built on first use: no import at load)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class Slots(DynamicLayer):  # type: ignore[misc]
+        """A full-attention layer over [batch, kv_head, capacity, d_head] buffers.
+
+        `update` writes the new K/V into the slots after the `filled` ones and returns the filled
+        prefix (the whole buffer when it is exactly full, as after every `extend`): the old cache
+        is copied once, when the buffers are built, and the forward itself copies nothing.
+        """
+
+        def __init__(self, keys: Tensor | None, values: Tensor | None, filled: int, room: int) -> None:
+            super().__init__()
+            self.keys, self.values, self.filled, self.room = keys, values, filled, room
+            if keys is not None:
+                self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            n = key_states.shape[-2]
+            if self.keys is None:  # empty cache: buffers shaped like the first states
+                b, h, _, d = key_states.shape
+                size = max(self.room, n)
+                dt, dev = key_states.dtype, key_states.device
+                self.keys = torch.empty(b, h, size, d, dtype=dt, device=dev)
+                self.values = torch.empty(b, h, size, value_states.shape[-1], dtype=dt, device=dev)
+                self.dtype, self.device, self.is_initialized = dt, dev, True
+            keys, values = self.keys, self.values
+            assert keys is not None and values is not None
+            end = self.filled + n
+            if end > keys.shape[2]:
+                raise RuntimeError(f"cache buffer holds {keys.shape[2]} positions, {end} needed")
+            keys[:, :, self.filled : end].copy_(key_states)
+            values[:, :, self.filled : end].copy_(value_states)
+            self.filled = end
+            return keys[:, :, :end], values[:, :, :end]
+
+        def get_seq_length(self) -> int:
+            return int(self.filled)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.filled + query_length, 0
+
+    return Slots
+
+
+def buffers(cache: KVCache, room: int, batch: int, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer [batch, kv_head, n + room, d_head] buffers holding `cache` in [:n] (one copy)."""
+    n = cache.seq_len
+    keys, values = [], []
+    for k, v in zip(cache.keys, cache.values):
+        kb = torch.empty(batch, k.shape[1], n + room, k.shape[3], dtype=k.dtype, device=device)
+        vb = torch.empty(batch, v.shape[1], n + room, v.shape[3], dtype=v.dtype, device=device)
+        kb[:, :, :n].copy_(k)  # broadcasts a batch-1 cache over the batch
+        vb[:, :, :n].copy_(v)
+        keys.append(kb)
+        values.append(vb)
+    return keys, values
+
+
+def dynamic(layers: list[Any]) -> Any:
+    from transformers import DynamicCache
+
+    past = DynamicCache()
+    past.layers = layers
+    return past
+
+
+def from_slots(past: Any) -> KVCache:
+    return KVCache(tuple(layer.keys[:, :, : layer.filled] for layer in past.layers),
+                   tuple(layer.values[:, :, : layer.filled] for layer in past.layers))

@@ -18,7 +18,7 @@ from torch import Tensor
 from kvnotes.cache import KVCache, cat
 from kvnotes.models.loading import LoadedModel
 from kvnotes.rope import reposition
-from kvnotes.run import Ids, as_ids, extend, prefill
+from kvnotes.run import Ids, Step, as_ids, extend, forward_at, prefill
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,12 @@ def self_check(
 
 
 # --- the transplant fast path -----------------------------------------------------------------
-# `splice` is the reference (one rotation, then a concatenation per block). `transplant` computes
-# the same cache with one preallocated buffer per layer: every key is rotated straight into its
-# final slot (fp32 math, then one cast), values and the prefix are copied once, and each block's
-# seam repair reads the buffer written so far. It is what the TTFT measurements time.
+# `splice` is the reference (one rotation, then a concatenation and a seam forward per block).
+# `transplant` computes the same cache with one preallocated buffer per layer: every key is
+# rotated straight into its final slot (fp32 math, then one cast), values and the prefix are
+# copied once, and the seams of all blocks are repaired together in one forward at arbitrary
+# positions (run.forward_at), whose masks give each seam token exactly what its sequential
+# repair sees. `transplant_extend` also runs the question in that forward: what TTFT times.
 
 
 def _rotate_into(
@@ -151,23 +153,22 @@ def _rotate_into(
         out.copy_(dst)  # one rounding to the cache dtype, as rotate_keys' .to(dtype)
 
 
-def _head_view(keys: tuple[Tensor, ...], values: tuple[Tensor, ...], stop: int) -> KVCache:
-    return KVCache(tuple(k[:, :, :stop] for k in keys), tuple(v[:, :, :stop] for v in values))
+@dataclass(frozen=True)
+class _Assembled:
+    """prefix + rotated blocks in buffers with scratch room; the seam slots and their tokens."""
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    total: int
+    seam_pos: Tensor  # [n_seam] positions to recompute
+    seam_ids: Tensor  # [1, n_seam]
 
 
-def transplant(
-    model: LoadedModel,
-    prefix: KVCache | None,
-    blocks: Block | Sequence[Block],
-    seam: int = 0,
-) -> KVCache:
-    """prefix + blocks, equal to `splice_many(model, prefix, blocks, seam)` (bit-identical in fp32).
-
-    Block j lands at p_j = |prefix| + sum of earlier block lengths; its keys are rotated by
-    delta = p_j into the output buffer and its first min(seam, L_j) tokens are recomputed against
-    everything before them (one forward per block with seam > 0). Stored blocks may be
-    memory-mapped on CPU: they are read once, while rotating.
-    """
+def _assemble(
+    model: LoadedModel, prefix: KVCache | None, blocks: Block | Sequence[Block], seam: int, extra: int
+) -> _Assembled:
+    """Every block's keys rotated by its landing position p_j into one buffer per layer, after
+    the prefix; seam tokens included (finite until the repair replaces them); `extra` more slots."""
     blks = [blocks] if isinstance(blocks, Block) else list(blocks)
     if not blks:
         raise ValueError("nothing to transplant")
@@ -184,34 +185,82 @@ def transplant(
         raise ValueError("transplant builds batch-1 caches")
     start = 0 if prefix is None else prefix.seq_len
     total = start + sum(len(b) for b in blks)
-    n_layers = first.n_layers
-    keys = tuple(torch.empty(1, k.shape[1], total, k.shape[3], dtype=dtype, device=dev)
-                 for k in first.keys)  # per layer [1, kv_head, total, d_head]
-    values = tuple(torch.empty(1, v.shape[1], total, v.shape[3], dtype=dtype, device=dev)
+    seams, seam_ids, pos = [], [], start
+    for blk in blks:  # the seam slots of every block, in order
+        k = min(seam, len(blk))
+        seams.append(torch.arange(pos, pos + k))
+        seam_ids.append(blk.ids[:, :k])
+        pos += len(blk)
+    room = total + sum(int(s.numel()) for s in seams) + extra  # scratch for the forward after
+    keys = tuple(torch.empty(1, k.shape[1], room, k.shape[3], dtype=dtype, device=dev)
+                 for k in first.keys)  # per layer [1, kv_head, room, d_head]
+    values = tuple(torch.empty(1, v.shape[1], room, v.shape[3], dtype=dtype, device=dev)
                    for v in first.values)
     if prefix is not None:
-        for i in range(n_layers):
+        for i in range(first.n_layers):
             keys[i][:, :, :start].copy_(prefix.keys[i])
             values[i][:, :, :start].copy_(prefix.values[i])
-    pos = start
-    for blk in blks:
-        k_seam = min(seam, len(blk))
-        if k_seam:
-            head = None if pos == 0 else _head_view(keys, values, pos)
-            fresh = extend(model, head, blk.ids[:, :k_seam]).cache  # [.., pos + k_seam, ..]
-            for i in range(n_layers):
-                keys[i][:, :, pos : pos + k_seam].copy_(fresh.keys[i][:, :, pos:])
-                values[i][:, :, pos : pos + k_seam].copy_(fresh.values[i][:, :, pos:])
-        lo, hi = pos + k_seam, pos + len(blk)
-        if hi > lo:
-            delta = torch.tensor([pos])
-            for i in range(n_layers):
-                cos, sin = model.adapter.rope_cos_sin(model.hf, delta, i)  # [1, d_head] fp32
-                _rotate_into(keys[i][:, :, lo:hi], blk.cache.keys[i][:, :, k_seam:],
-                             cos[0].to(dev), sin[0].to(dev))
-                values[i][:, :, lo:hi].copy_(blk.cache.values[i][:, :, k_seam:])
-        pos = hi
-    return KVCache(keys, values)
+    lands = torch.tensor([start] + [len(b) for b in blks[:-1]]).cumsum(0)  # p_j of every block
+    for i in range(first.n_layers):
+        cos, sin = model.adapter.rope_cos_sin(model.hf, lands, i)  # [n_blocks, d_head] fp32
+        cos, sin = cos.to(dev), sin.to(dev)
+        for j, blk in enumerate(blks):
+            lo = int(lands[j])
+            _rotate_into(keys[i][:, :, lo : lo + len(blk)], blk.cache.keys[i], cos[j], sin[j])
+            values[i][:, :, lo : lo + len(blk)].copy_(blk.cache.values[i])
+    return _Assembled(keys, values, total, torch.cat(seams), torch.cat(seam_ids, dim=1))
+
+
+def _view(a: _Assembled, stop: int) -> KVCache:
+    return KVCache(tuple(k[:, :, :stop] for k in a.keys), tuple(v[:, :, :stop] for v in a.values))
+
+
+def transplant(
+    model: LoadedModel,
+    prefix: KVCache | None,
+    blocks: Block | Sequence[Block],
+    seam: int = 0,
+) -> KVCache:
+    """prefix + blocks, equal to `splice_many(model, prefix, blocks, seam)` (to fp32 rounding).
+
+    Block j lands at p_j = |prefix| + sum of earlier block lengths; its keys are rotated by
+    delta = p_j into the output buffer, then the first min(seam, L_j) tokens of every block are
+    recomputed in ONE forward: seam token s reads every earlier position that is not a seam
+    (prefix, the rotated rest of earlier blocks) and the seam tokens before it, which is what
+    block-by-block repair gives it. With seam = 0 the result is bit-identical to `splice_many`.
+    Stored blocks may be memory-mapped on CPU: they are read once, while rotating.
+    """
+    a = _assemble(model, prefix, blocks, seam, 0)
+    if a.seam_pos.numel():
+        forward_at(model, a.keys, a.values, a.total, a.seam_ids, a.seam_pos)
+    return _view(a, a.total)
+
+
+def transplant_extend(
+    model: LoadedModel,
+    prefix: KVCache | None,
+    blocks: Block | Sequence[Block],
+    seam: int,
+    ids: Ids,
+    logits_to_keep: int = 1,
+) -> Step:
+    """`extend(transplant(prefix, blocks, seam), ids)` with the seam repair and `ids` in ONE forward.
+
+    The tokens of `ids` read the repaired seams of the same forward (a layer's K/V of every
+    token exist before that layer's attention), so the result equals the two calls to fp32
+    rounding, and the weights are read once: the time to first token of a composed prompt.
+    """
+    x = as_ids(model, ids)
+    if x.shape[0] != 1:
+        raise ValueError("transplant_extend takes one sequence")
+    m = x.shape[1]
+    a = _assemble(model, prefix, blocks, seam, m)
+    pos = torch.cat([a.seam_pos, torch.arange(a.total, a.total + m)])
+    toks = torch.cat([a.seam_ids.to(x.device), x], dim=1)
+    keep = m if logits_to_keep == 0 else min(logits_to_keep, m)  # 0: every position of `ids`
+    logits = forward_at(model, a.keys, a.values, a.total, toks, pos, logits_to_keep=keep)
+    assert logits is not None
+    return Step(logits, _view(a, a.total + m))
 
 
 def greedy(

@@ -12,7 +12,6 @@ token ids, the decision logits, what it recomputed, and how long it took beyond 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from kvnotes.models.loading import LoadedModel
 from kvnotes.run import early_keys, extend, prefill, read_variants, recompute
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.tokens import encode
+from kvnotes.timing import timed
 
 ERRATA: dict[str, str] = {
     "explicit": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. "
@@ -73,10 +73,11 @@ def erratum_position(item: TaskItem) -> int:
 Built = tuple[Tensor, int, tuple[int, ...], KVCache]  # logits, recomputed, ids, cache
 
 
-def _timed(fn: Callable[[], Built], name: str, total: int) -> EditState:
-    t0 = time.perf_counter()
-    logits, recomputed, ids, cache = fn()
-    return EditState(name, logits, recomputed, total, time.perf_counter() - t0, ids, cache)
+def _timed(fn: Callable[[], Built], name: str, total: int, device: torch.device) -> EditState:
+    """Build a state with its wall time, the device synchronised at both ends (kvnotes.timing)."""
+    with timed(device) as t:
+        logits, recomputed, ids, cache = fn()
+    return EditState(name, logits, recomputed, total, t.seconds, ids, cache)
 
 
 class Editor:
@@ -113,10 +114,10 @@ class Editor:
             step = prefill(self.model, self.item.new_ids)
             return step.logits[0, -1], self.n, self.item.new_ids, step.cache
 
-        return _timed(build, "oracle", self.n)
+        return _timed(build, "oracle", self.n, self.model.device)
 
     def stale_state(self) -> EditState:
-        return _timed(lambda: self._read(self.stale, 1, self.item.old_ids), "stale", self.n)
+        return _timed(lambda: self._read(self.stale, 1, self.item.old_ids), "stale", self.n, self.model.device)
 
     def selective(self, positions: Sequence[int], mode: str = "recompute", name: str | None = None) -> EditState:
         """Recompute `positions` (the field always included) against stale neighbours, or copy them."""
@@ -131,7 +132,7 @@ class Editor:
                 cache = recompute(self.model, self.stale, self.item.new_ids[:-1], pos)
             return self._read(cache, len(pos) + 1, self.item.new_ids)
 
-        return _timed(build, name or f"selective_{mode}", self.n)
+        return _timed(build, name or f"selective_{mode}", self.n, self.model.device)
 
     def field_only(self) -> EditState:
         return self.selective([], "recompute", "field_only")
@@ -143,7 +144,7 @@ class Editor:
             step = extend(self.model, self.stale.slice(0, start), self.item.new_ids[start:])
             return step.logits[0, -1], self.n - start, self.item.new_ids, step.cache
 
-        return _timed(build, "full_downstream", self.n)
+        return _timed(build, "full_downstream", self.n, self.model.device)
 
     def erratum(self, wording: str = "explicit", template: str | None = None, with_field: bool = False) -> EditState:
         """Append the erratum before the question (stale prefix reused), optionally after a field-only edit."""
@@ -164,7 +165,7 @@ class Editor:
             return step.logits[0, -1], len(rest) + extra, ids, step.cache
 
         name = ("field_erratum" if with_field else "erratum") + ("" if wording == "explicit" and template is None else f"_{wording}")
-        return _timed(build, name, len(ids))
+        return _timed(build, name, len(ids), self.model.device)
 
     def hoist(self) -> EditState:
         """The field's line moved (with the new value) to just before the question.
@@ -185,7 +186,7 @@ class Editor:
             step = extend(self.model, self.stale.slice(0, start), list(ids[start:]))
             return step.logits[0, -1], len(ids) - start, ids, step.cache
 
-        return _timed(build, "hoist", len(ids))
+        return _timed(build, "hoist", len(ids), self.model.device)
 
     def rank_by_attention(self) -> list[int]:
         """Downstream positions by the decision token's attention on the stale cache (no oracle needed)."""
@@ -196,13 +197,13 @@ class Editor:
         down = list(range(self.item.field_span[1], self.stale.seq_len))
         return [down[i] for i in torch.argsort(score[down], descending=True, stable=True).tolist()]
 
-    def rank_by_effect(self, batch_size: int = 128) -> list[int]:
+    def rank_by_effect(self, batch_size: int | None = None) -> list[int]:
         """Downstream positions by their single-position patching effect (needs the oracle; memoised)."""
         if self._by_effect is None:
             self._by_effect = self._rank_by_effect(batch_size)
         return list(self._by_effect)
 
-    def _rank_by_effect(self, batch_size: int) -> list[int]:
+    def _rank_by_effect(self, batch_size: int | None) -> list[int]:
         """Most recovering first: the score moved toward the oracle's by pasting that one position.
 
         The stale and oracle reads ride in the same batch (variants [] and all positions), so the
@@ -228,7 +229,7 @@ class Editor:
             cache = recompute(self.model, self.stale, self.item.new_ids[:-1], sorted(set(top) | set(range(*self.item.field_span))))
             return self._read(cache, k + 1 + self.n * (check_layer + 1) // self.model.n_layers, self.item.new_ids)
 
-        return _timed(build, f"cacheblend@{round(fraction * 100)}%", self.n)
+        return _timed(build, f"cacheblend@{round(fraction * 100)}%", self.n, self.model.device)
 
     def cot(self, state: EditState, max_new_tokens: int = 48, cue: str = "Let me check the rule "
             "against the current values step by step.\n") -> tuple[Tensor, str]:

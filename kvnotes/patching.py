@@ -87,9 +87,12 @@ def patched_scores(
     positions: Sequence[Sequence[int]],
     layers: Sequence[Sequence[int] | None] | None = None,
     key_mask: Tensor | None = None,
-    batch_size: int = 128,
+    batch_size: int | None = None,
 ) -> np.ndarray:
-    """Decision score of each patched state (positions[i] at layers[i] from the oracle)."""
+    """Decision score of each patched state (positions[i] at layers[i] from the oracle).
+
+    `batch_size` states are read at once; None sizes the batches from the free memory.
+    """
     logits = read_variants(
         model, pair.old, pair.new, positions, pair.tail, layers, key_mask, batch_size
     )[:, -1]

@@ -1,14 +1,18 @@
 """The one place that runs the model forward against a cache.
 
 A forward pass with a transformers `DynamicCache` extends that cache in place; here every call
-builds a fresh `DynamicCache` from an immutable `KVCache`, passes explicit position ids and an
-attention mask that covers cached + new tokens, and returns a new `KVCache`. So
-prefill(ids[:n]) followed by extend(ids[n:]) is the full forward, and nothing leaks to callers.
+copies the immutable `KVCache` once into fresh per-layer buffers with room for the new tokens
+(a `DynamicCache` of `Slots` layers, whose update writes into that room), passes explicit
+position ids, and returns a new `KVCache` over the buffers. So prefill(ids[:n]) followed by
+extend(ids[n:]) is the full forward, and nothing leaks to callers. Families that run SDPA
+attend through `kvnotes.causal` (no explicit mask where causality suffices); a recompute of
+arbitrary positions passes its own mask and writes its K/V in place, into the same buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +20,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes import attention
-from kvnotes.cache import KVCache, stack
+from kvnotes import attention, causal
+from kvnotes.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
 from kvnotes.models.loading import LoadedModel
 
-Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor
+Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor | str
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,12 @@ class Step:
     cache: KVCache
 
 
-def as_ids(model: LoadedModel, ids: Ids) -> Int[Tensor, "batch pos"]:
+def as_ids(model: LoadedModel, ids: Ids, bos: bool = False) -> Int[Tensor, "batch pos"]:
+    """[batch, pos] ids on the model's device; a string is tokenized (`bos`: with special tokens)."""
+    if isinstance(ids, str):
+        if model.tokenizer is None:
+            raise ValueError("text needs a tokenizer: wrap_model(hf, tokenizer=...)")
+        ids = list(model.tokenizer(ids, add_special_tokens=bos)["input_ids"])
     t = torch.as_tensor(ids, dtype=torch.long)
     if t.ndim == 1:
         t = t[None]  # [pos] -> [1, pos]
@@ -40,38 +49,71 @@ def as_ids(model: LoadedModel, ids: Ids) -> Int[Tensor, "batch pos"]:
     return t.to(model.device)
 
 
+@contextmanager
+def _attention(model: LoadedModel, name: str) -> Iterator[None]:
+    """Run the model with the attention implementation `name` for one call (restored after)."""
+    cfg: Any = model.hf.config
+    saved = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = saved
+
+
+def _forward(
+    model: LoadedModel,
+    x: Tensor,
+    past: Any,
+    positions: Tensor,
+    mask: Tensor | dict[str, Tensor] | None = None,
+    logits_to_keep: int | None = 1,
+) -> Any:
+    """One forward of `x` at `positions` into `past`; `logits_to_keep=None` skips the LM head.
+
+    SDPA families attend through kvnotes.causal (no mask built unless `mask` is given); eager
+    ones (soft-capping) get transformers' own causal mask from the cache sizes.
+    """
+    net = model.hf if logits_to_keep is not None else model.adapter.decoder(model.hf)
+    kw: dict[str, Any] = dict(input_ids=x, past_key_values=past, position_ids=positions, use_cache=True)
+    if logits_to_keep is not None:
+        kw["logits_to_keep"] = logits_to_keep
+    cfg: Any = model.hf.config
+    if cfg._attn_implementation != "sdpa":
+        if mask is None:
+            mask = torch.ones(x.shape[0], past.get_seq_length() + x.shape[1], dtype=torch.long, device=x.device)
+        return net(attention_mask=mask, **kw)
+    with _attention(model, causal.register()):
+        return net(attention_mask=mask, **{causal.MEMO: {}}, **kw)
+
+
 @torch.inference_mode()
 def extend(
     model: LoadedModel, cache: KVCache | None, ids: Ids, logits_to_keep: int = 1
 ) -> Step:
-    """Run `ids` after `cache` (None: from position 0); `logits_to_keep=0` keeps every position."""
-    from transformers import DynamicCache
+    """Run `ids` (or text, tokenized without special tokens) after `cache` (None: from position 0).
 
+    `logits_to_keep=0` keeps every position.
+    """
     x = as_ids(model, ids)
+    b, n = x.shape
+    if cache is not None and cache.batch not in (1, b):
+        raise ValueError(f"cache batch {cache.batch} != ids batch {b}")
     past_len = 0 if cache is None else cache.seq_len
-    if cache is not None and cache.batch != x.shape[0]:
-        if cache.batch == 1:
-            cache = cache.expand(x.shape[0])
-        else:
-            raise ValueError(f"cache batch {cache.batch} != ids batch {x.shape[0]}")
-    past = DynamicCache() if cache is None else cache.to(device=model.device).to_dynamic()
-    n = x.shape[1]
-    positions = torch.arange(past_len, past_len + n, device=model.device)[None].expand(x.shape[0], -1)
-    mask = torch.ones(x.shape[0], past_len + n, dtype=torch.long, device=model.device)
-    out = model.hf(
-        input_ids=x,
-        past_key_values=past,
-        position_ids=positions,
-        attention_mask=mask,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
-    return Step(out.logits.float(), KVCache.from_dynamic(out.past_key_values))
+    if cache is None:
+        layers = [slots_class()(None, None, 0, n) for _ in range(model.n_layers)]
+    else:
+        keys, values = buffers(cache, n, b, model.device)
+        layers = [slots_class()(k, v, past_len, n) for k, v in zip(keys, values)]
+    past = dynamic(layers)
+    positions = torch.arange(past_len, past_len + n, device=model.device)[None].expand(b, -1)
+    out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
+    return Step(out.logits.float(), from_slots(past))
 
 
 def prefill(model: LoadedModel, ids: Ids, logits_to_keep: int = 1) -> Step:
-    """A clean prefill of `ids` from position 0."""
-    return extend(model, None, ids, logits_to_keep)
+    """A clean prefill of `ids` from position 0; text is tokenized as the tokenizer does (BOS too)."""
+    return extend(model, None, as_ids(model, ids, bos=True), logits_to_keep)
 
 
 def extend_many(
@@ -102,6 +144,22 @@ def full_logits(model: LoadedModel, ids: Ids) -> Float[Tensor, "batch pos vocab"
     return model.hf(input_ids=x, use_cache=False).logits.float()
 
 
+def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
+                       fraction: float = 0.5, cap: int = 1024) -> int:
+    """How many variants `read_variants` runs at once: `fraction` of the free memory over an
+    estimate of one variant's working set (fp32 scores and weights of the tail over the cache in
+    one layer, about 8 copies; the patched K/V gathered; the tail's hidden states and logits)."""
+    from kvnotes.timing import available_bytes
+
+    cfg = model.config
+    heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
+    per = 4 * (8 * heads * tail * (n_cached + tail + width)  # scores, softmax, scatter copies
+               + 4 * model.adapter.n_kv_heads(model.hf) * width * d  # gathered K/V and their change
+               + 24 * tail * int(cfg.hidden_size)  # hidden states, MLP activations
+               + 2 * tail * int(cfg.vocab_size))  # logits (fp32 and the model's dtype)
+    return max(1, min(cap, int(fraction * available_bytes(model.device)) // per))
+
+
 @torch.inference_mode()
 def read_variants(
     model: LoadedModel,
@@ -111,7 +169,7 @@ def read_variants(
     ids: Ids,
     layers: Sequence[Sequence[int] | None] | None = None,
     key_mask: Tensor | None = None,
-    batch_size: int = 128,
+    batch_size: int | None = None,
     mask_layers: Tensor | None = None,
     mask_heads: Tensor | None = None,
     capture: list[dict[int, Tensor]] | None = None,
@@ -122,20 +180,23 @@ def read_variants(
     building the patched caches (see kvnotes.attention). Knockout: `key_mask[i, p]` hides cached
     key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
     `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
+    `batch_size` variants run at once (None: as many as half the free memory holds).
     """
     x = as_ids(model, ids)
     if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
         raise ValueError("read_variants needs aligned batch-1 caches")
+    for p in positions:
+        _check_positions(list(p), base.seq_len)
     n, L = len(positions), base.n_layers
     width = max([len(p) for p in positions] + [1])
+    if batch_size is None:
+        batch_size = variant_batch_size(model, base.seq_len, x.shape[1], width)
     pos = torch.full((n, width), -1, dtype=torch.long)
     lay = torch.zeros(n, L, dtype=torch.bool)
     for i, p in enumerate(positions):
         pos[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         chosen = None if layers is None else layers[i]
         lay[i, list(range(L)) if chosen is None else list(chosen)] = True
-    if pos.numel() and pos.max() >= base.seq_len:
-        raise IndexError(f"positions out of range 0..{base.seq_len - 1}")
     name = attention.register()
     cfg: Any = model.hf.config
     saved = cfg._attn_implementation
@@ -191,6 +252,60 @@ def _additive_masks(
     return next(iter(out.values())) if len(out) == 1 else out
 
 
+def _check_positions(positions: Sequence[int] | Tensor, n: int) -> None:
+    """The error `cache.patch` raises: every position must be in 0..n-1."""
+    idx = torch.as_tensor(positions, dtype=torch.long)
+    if idx.numel() and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"positions out of range 0..{n - 1}")
+
+
+@torch.inference_mode()
+def forward_at(
+    model: LoadedModel,
+    keys: Sequence[Tensor],
+    values: Sequence[Tensor],
+    n: int,
+    ids: Ids,
+    positions: Sequence[int] | Tensor,
+    logits_to_keep: int | None = None,
+) -> Tensor | None:
+    """One forward of tokens at arbitrary positions into a cache held in buffers, in place.
+
+    `keys[i]`/`values[i]` are [1, kv_head, >= n + k, d_head] buffers whose first n slots hold
+    the cache (finite everywhere) and whose next k = len(positions) slots are scratch. `ids` are
+    the k tokens; `positions` are sorted and distinct: those below n are recomputed (their K/V
+    replace the cached ones), those from n on must be n, n + 1, ... and are appended (the cache
+    grows by their number). Token s reads every cached position before s that is not replaced,
+    and the forwarded tokens at positions <= s: selective recompute and an extension, fused.
+    Returns the logits of the last `logits_to_keep` tokens (fp32), or None (no LM head).
+    """
+    x = as_ids(model, ids)
+    dev = model.device
+    p = torch.as_tensor(positions, dtype=torch.long, device=dev)
+    k = int(p.numel())
+    if x.shape != (1, k):
+        raise ValueError(f"{k} positions need ids of shape [1, {k}], got {tuple(x.shape)}")
+    if k == 0:
+        raise ValueError("nothing to forward")
+    if int(p.min()) < 0 or (k > 1 and not bool((p[1:] > p[:-1]).all())):
+        raise IndexError("positions must be sorted, distinct and >= 0")
+    grown = p[p >= n]
+    if grown.numel() and not torch.equal(grown, torch.arange(n, n + grown.numel(), device=dev)):
+        raise IndexError(f"positions from {n} on must be {n}, {n + 1}, ... (appended)")
+    j = torch.arange(n, device=dev)
+    replaced = torch.zeros(n, dtype=torch.bool, device=dev)
+    replaced[p[p < n]] = True
+    see_cache = (j[None, :] < p[:, None]) & ~replaced[None, :]  # [k, n] the other, earlier positions
+    see_new = p[None, :] <= p[:, None]  # [k, k] the forwarded tokens, causally
+    allowed = torch.cat([see_cache, see_new], dim=1)  # keys: the n cached, then the k new
+    masks = _additive_masks(model, p, torch.cat([j, p]), allowed)
+    past = dynamic([slots_class()(kb, vb, n, k) for kb, vb in zip(keys, values)])
+    out = _forward(model, x, past, p[None], mask=masks, logits_to_keep=logits_to_keep)
+    for buf in (*keys, *values):
+        buf[:, :, p] = buf[:, :, n : n + k].clone()  # [1, kv_head, k, d_head] into their slots
+    return None if logits_to_keep is None else out.logits.float()
+
+
 @torch.inference_mode()
 def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[int]) -> KVCache:
     """A copy of `cache` whose K/V at `positions` are recomputed from `ids` against the rest.
@@ -199,7 +314,8 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
     prompt); the tokens at `positions` run through the model at their own positions, seeing the
     cached K/V of every other earlier position (stale neighbours) and each other causally:
     selective recompute, what a real system can do without the oracle. All downstream positions
-    recomputed equals a re-prefill from the first of them.
+    recomputed equals a re-prefill from the first of them. One copy of the cache, one forward of
+    the chosen tokens (no LM head).
     """
     x = as_ids(model, ids)
     n = cache.seq_len
@@ -208,33 +324,11 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
         return cache
     if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
         raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
-    dev = model.device
-    p = torch.tensor(chosen, device=dev)
-    j = torch.arange(n, device=dev)
-    replaced = torch.zeros(n, dtype=torch.bool, device=dev)
-    replaced[p] = True
-    see_cache = (j[None, :] < p[:, None]) & ~replaced[None, :]  # [k, n] stale neighbours
-    see_new = p[None, :] <= p[:, None]  # [k, k] the recomputed tokens, causally
-    allowed = torch.cat([see_cache, see_new], dim=1)  # keys: the n cached, then the k new
-    masks = _additive_masks(model, p, torch.cat([j, p]), allowed)
-    out = model.hf(
-        input_ids=x[:, p],
-        past_key_values=cache.to(device=dev).to_dynamic(),
-        position_ids=p[None],
-        attention_mask=masks,
-        use_cache=True,
-    )
-    fresh = KVCache.from_dynamic(out.past_key_values)
-
-    def put(old: Tensor, new: Tensor) -> Tensor:
-        res = old.to(dev).clone()
-        res[:, :, p] = new[:, :, n:]
-        return res
-
-    return KVCache(
-        tuple(put(a, b) for a, b in zip(cache.keys, fresh.keys)),
-        tuple(put(a, b) for a, b in zip(cache.values, fresh.values)),
-    )
+    if cache.batch != 1:
+        raise ValueError(f"recompute takes a batch-1 cache, got batch {cache.batch}")
+    keys, values = buffers(cache, len(chosen), 1, model.device)
+    forward_at(model, keys, values, n, x[:, chosen], chosen)
+    return KVCache(tuple(kb[:, :, :n] for kb in keys), tuple(vb[:, :, :n] for vb in values))
 
 
 class _Stop(Exception):

@@ -136,7 +136,8 @@ def test_transplant_equals_splice_bit_for_bit(tiny, seam):
     want = pre
     for b in blocks:
         want = compose.splice(tiny, want, b, min(seam, len(b)))
-    assert got.max_abs_diff(want) == 0.0
+    # seam 0 moves K/V only (bit for bit); seams > 0 are repaired in one forward, not one per block
+    assert got.max_abs_diff(want) <= (0.0 if seam == 0 else ATOL_FP32)
     assert compose.transplant(tiny, None, blocks[0], 0).max_abs_diff(blocks[0].cache) == 0.0
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.engine` measures every cached path beside its reference."""

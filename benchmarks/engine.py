@@ -1,0 +1,353 @@
+"""Engine benchmark: every cached path beside its reference, as ratios, in one process.
+
+Per prompt length L, three workloads are built once and their paths timed in interleaved order
+(the order rotates every repeat), after warm-up rounds, with the device synchronised around each
+timed region (kvnotes.timing). Medians over repeats; ratios are ratios of medians.
+
+* edit (a gated task item of L tokens): a clean prefill of the new prompt (`prefill_s`, the
+  denominator), one token against the stale cache (`extend1_ratio`), `full_downstream`, the
+  erratum edit (`erratum_ratio`) beside its token floor (`erratum_floor` = (erratum + question
+  tokens) / prompt tokens), and with --map the per-position patching map (`map_ratio`);
+* one block (system prefix, a skill block of L tokens, a question): TTFT of the full path
+  (block + question against the cached system prefix: the prefix is cached on both sides),
+  of the transplant (the block read from disk inside the timed region, rotated, seam K = 4
+  repaired and the question run in one forward: compose.transplant_extend), of the same transplant with the block file dropped from the page cache
+  (`transplant_cold_speedup`), and of the limit;
+* eight blocks of L/8 tokens, K = 4: the same, with all seams repaired in one forward.
+
+The limit is the question forwarded against an already cached context, defined independently
+of kvnotes' own call path: a bare transformers forward over a `DynamicCache` filled through
+its own `update`, with the model's own attention. It is checked against a FLOP estimate
+(`limit_flop_speedup`: full FLOPs / limit FLOPs, an upper bound no forward can beat).
+
+    python -m benchmarks.engine --model llama --lengths 1000,2000,4000,8000 --reps 5 --json out.json
+
+Machines are noisy: read the ratios, not the seconds. On a CPU shared with other jobs, OpenMP's
+spinning waits stall small parallel regions for tens of ms; this command sets
+OMP_WAIT_POLICY=PASSIVE unless the environment sets it (recorded in the JSON).
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # before torch starts OpenMP
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORKLOADS = ("edit", "ttft", "multiblock")
+SEAM = 4
+N_BLOCKS = 8
+KEYS = ("length", "prefill_s", "extend1_ratio", "full_downstream_ratio", "erratum_ratio",
+        "erratum_floor", "transplant_speedup", "limit_speedup", "transplant_share_of_limit",
+        "multiblock_speedup", "multiblock_share_of_limit")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--lengths", default="1000,2000,4000,8000", help="comma-separated prompt lengths")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every path per length")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    p.add_argument("--map", action="store_true", help="also time the per-position patching map")
+    p.add_argument("--only", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time (device-synchronised), or the process' CPU time: on a CPU shared "
+                        "with other jobs the steadier measure of the work done")
+    p.add_argument("--json", default=None, help="write one object per length to this file")
+    a = p.parse_args(argv)
+    try:
+        a.lengths = [int(x) for x in str(a.lengths).split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated integers, got {a.lengths!r}")
+    a.only = [w.strip() for w in str(a.only).split(",") if w.strip()]
+    bad = [w for w in a.only if w not in WORKLOADS]
+    if bad:
+        p.error(f"--only: unknown workloads {bad}; valid: {', '.join(WORKLOADS)}")
+    if not a.lengths or min(a.lengths) < 64:
+        p.error("--lengths must be integers >= 64")
+    if a.reps < 1 or a.warmup < 0:
+        p.error("--reps must be >= 1 and --warmup >= 0")
+    return a
+
+
+# --- FLOPs ----------------------------------------------------------------------------------
+
+
+def forward_flops(model: Any, q: int, past: int, logits: int = 1) -> float:
+    """Multiply-adds x 2 of q tokens after `past` cached ones: linear layers, attention, LM head."""
+    layers = model.adapter.layers(model.hf)
+    linear = sum(p.numel() for n, p in layers.named_parameters() if p.ndim == 2)
+    heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
+    attended = q * past + q * (q + 1) / 2  # keys read by the q new tokens, causally
+    attn = len(layers) * 4 * heads * d * attended  # q.k and w.v
+    head = 2 * logits * model.config.hidden_size * model.config.vocab_size
+    return float(2 * q * linear + attn + head)
+
+
+# --- the limit, outside kvnotes' call path ---------------------------------------------------
+
+
+def bare_cache(context: Any) -> Any:
+    """A transformers DynamicCache holding `context` (a KVCache), filled by its own update."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(zip(context.keys, context.values)):
+        cache.update(k.contiguous(), v.contiguous(), i)
+    return cache
+
+
+@torch.inference_mode()
+def bare_forward(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The question against `cache` with transformers alone; returns last-position logits."""
+    past = cache.get_seq_length()
+    pos = torch.arange(past, past + ids.shape[1], device=model.device)[None]
+    out = model.hf(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].float()
+
+
+def drop_page_cache(path: Path) -> bool:
+    """Ask the kernel to forget a file's cached pages (clean pages: no root needed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+# --- workloads --------------------------------------------------------------------------------
+
+
+@dataclass
+class Timed:
+    """One timed path: `setup` runs untimed before each call of `fn`."""
+
+    name: str
+    fn: Callable[[], Any]
+    setup: Callable[[], None] | None = None
+    times: list[float] = field(default_factory=list)
+    last: Any = None
+
+
+def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
+    from kvnotes import run, tasks
+    from kvnotes.edit import Editor
+    from kvnotes.patching import make_pair, patched_scores
+
+    item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
+    ed = Editor(model, item)
+    err = ed.erratum()
+    kept = len(err.ids) - err.recomputed  # stale tokens the erratum keeps cached
+    flop_floor = forward_flops(model, err.recomputed, kept) / forward_flops(model, item.n_tokens, 0)
+    info = {"edit_tokens": item.n_tokens, "erratum_floor": err.recompute_fraction,
+            "erratum_flop_floor": flop_floor, "erratum_kept_tokens": kept,
+            "erratum_tokens": err.recomputed, "full_downstream_tokens": item.n_tokens - item.field_span[0]}
+    paths = [
+        Timed("prefill", lambda: run.prefill(model, item.new_ids)),
+        Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
+        Timed("full_downstream", lambda: ed.full_downstream()),
+        Timed("erratum", lambda: ed.erratum()),
+    ]
+    if with_map:
+        pair = make_pair(model, item)
+        paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
+        info["map_positions"] = len(pair.field_to_end)
+    return paths, info
+
+
+def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]], question: list[int],
+              tag: str) -> tuple[list[Timed], dict[str, Any]]:
+    """full / transplant (warm, cold) / limit paths of prefix + blocks + question."""
+    from kvnotes import compose, run
+    from kvnotes.metrics import logit_cosine
+    from kvnotes.store import block_path, load_block, save_block
+
+    files = []
+    for j, ids in enumerate(blocks):
+        path = block_path(store, f"{tag}-{j}")
+        save_block(path, model, compose.prefill_block(model, ids), name=f"{tag}-{j}")
+        files.append(path)
+    prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, on both sides
+    body = [t for ids in blocks for t in ids]
+    full_step = run.extend(model, prefix_cache, body + question)
+    context = full_step.cache.slice(0, len(prefix) + len(body))  # the limit's cached context
+    q = torch.tensor([question], device=model.device)
+    state: dict[str, Any] = {}
+
+    def full() -> torch.Tensor:
+        return run.extend(model, prefix_cache, body + question).logits[0, -1]
+
+    def transplant() -> torch.Tensor:  # read from disk, rotate, seams + question in one forward
+        loaded = [load_block(f, model) for f in files]
+        return compose.transplant_extend(model, prefix_cache, loaded, SEAM, question).logits[0, -1]
+
+    def cold_setup() -> None:
+        for f in files:
+            drop_page_cache(f)
+
+    def limit_setup() -> None:
+        state["bare"] = bare_cache(context)
+
+    paths = [
+        Timed(f"{tag}_full", full),
+        Timed(f"{tag}_transplant", transplant),
+        Timed(f"{tag}_transplant_cold", transplant, cold_setup),
+        Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
+        Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
+    ]
+    ref = full_step.logits[0, -1]
+    flops_full = forward_flops(model, len(body) + len(question), len(prefix))
+    flops_limit = forward_flops(model, len(question), len(prefix) + len(body))
+    info = {f"{tag}_tokens": len(prefix) + len(body) + len(question), f"{tag}_question_tokens": len(question),
+            f"{tag}_limit_flop_speedup": flops_full / flops_limit,
+            f"{tag}_cosine": float(logit_cosine(transplant(), ref)),
+            f"{tag}_limit_max_abs_diff": float((bare_forward(model, bare_cache(context), q) - ref).abs().max())}
+    return paths, info
+
+
+def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
+    from experiments.compose_scaling import question_ids, skill_ids
+
+    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
+    block = skill_ids(model.tokenizer, "refund", length, seed=0)
+    return _composed(model, store, prefix, [block], question, "one")
+
+
+def multiblock_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
+    from experiments.compose_scaling import question_ids, skill_ids
+    from kvnotes.tasks.skills import skill_names
+
+    names = skill_names()
+    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
+    size = max(SEAM + 1, length // N_BLOCKS)
+    blocks = [skill_ids(model.tokenizer, names[j % len(names)], size, seed=j) for j in range(N_BLOCKS)]
+    return _composed(model, store, prefix, blocks, question, "multi")
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device, clock: str = "wall") -> None:
+    """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
+    from kvnotes.timing import timed
+
+    for r in range(warmup + reps):
+        k = r % len(paths)
+        for p in paths[k:] + paths[:k]:
+            if p.setup is not None:
+                p.setup()
+            with timed(device) as t:
+                p.last = p.fn()
+            if r >= warmup:
+                p.times.append(t.seconds if clock == "wall" else t.cpu_seconds)
+
+
+def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str, Any]:
+    med = {p.name: statistics.median(p.times) for p in paths if p.times}
+
+    def ratio(a: str, b: str) -> float | None:
+        return med[a] / med[b] if a in med and b in med else None
+
+    def speed(tag: str, path: str) -> float | None:
+        return ratio(f"{tag}_full", f"{tag}_{path}")
+
+    row: dict[str, Any] = {"length": length, "prefill_s": med.get("prefill")}
+    row["extend1_ratio"] = ratio("extend1", "prefill")
+    row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
+    row["erratum_ratio"] = ratio("erratum", "prefill")
+    row["erratum_floor"] = info.get("erratum_floor")
+    for tag, key in (("one", "transplant"), ("multi", "multiblock")):
+        tp, lim = speed(tag, "transplant"), speed(tag, "limit")
+        row[f"{key}_speedup"] = tp
+        row["limit_speedup" if tag == "one" else "multiblock_limit_speedup"] = lim
+        row[f"{key}_share_of_limit"] = tp / lim if tp is not None and lim is not None else None
+        row[f"{key}_cold_speedup"] = speed(tag, "transplant_cold")
+        row[f"{key}_limit_engine_speedup"] = speed(tag, "limit_engine")
+    if "map" in med:
+        row["map_ratio"] = ratio("map", "prefill")
+    row.update(info)
+    row["seconds"] = med
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
+            ("extend1_ratio", "extend1", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
+            ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
+            ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"),
+            ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
+            ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("map_ratio", "map", "{:.2f}")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]
+    for r in rows:
+        cells = [fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
+        lines.append(" ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from kvnotes.models import load_model
+    from kvnotes.timing import check_fits
+
+    model = load_model(a.model, device=a.device, dtype=a.dtype)
+    print(check_fits(model, max(a.lengths), caches=4), flush=True)
+    meta = {"model": a.model, "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
+            "threads": torch.get_num_threads(), "reps": a.reps, "warmup": a.warmup, "clock": a.clock,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__}
+    print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as store:
+        for n in a.lengths:
+            paths: list[Timed] = []
+            info: dict[str, Any] = {}
+            if "edit" in a.only:
+                p, i = edit_paths(model, n, a.map)
+                paths += p
+                info.update(i)
+            if "ttft" in a.only:
+                p, i = ttft_paths(model, n, Path(store))
+                paths += p
+                info.update(i)
+            if "multiblock" in a.only:
+                p, i = multiblock_paths(model, n, Path(store))
+                paths += p
+                info.update(i)
+            run_rounds(paths, a.reps, a.warmup, model.device, a.clock)
+            rows.append({**summarize(n, paths, info), **meta})
+            print(table(rows[-1:]), flush=True)
+    print("\n" + table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Wall time and peak memory of a region of work, correct on a GPU as on a CPU.
+
+CUDA kernels run asynchronously: `time.perf_counter()` around a forward measures how long the
+launches took, not the work. A timed region therefore synchronises the device before it starts
+and before it stops. Peak memory is `torch.cuda.max_memory_allocated` (reset at the start) on
+CUDA; on CPU it is the rise of the process' peak resident set (VmHWM, reset through
+/proc/self/clear_refs on Linux; NaN where the kernel does not allow the reset).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+MB = 2**20
+
+
+def as_device(device: torch.device | str | None) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def _status_kb(field_name: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"{field_name}:\s+(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def _reset_cpu_peak() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    """Hand freed heap pages back to the OS (glibc), so a later peak counts new allocations."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Measurement:
+    """Filled in when the region ends: wall seconds, the process' CPU seconds (all threads; on a
+    shared CPU the steadier measure of work), peak memory rise in MB (NaN: unknown)."""
+
+    device: torch.device
+    seconds: float = float("nan")
+    cpu_seconds: float = float("nan")
+    peak_mb: float = float("nan")
+
+
+@contextmanager
+def timed(device: torch.device | str | None, memory: bool = False) -> Iterator[Measurement]:
+    """Time the `with` body, the device synchronised at both ends; `memory`: also its peak.
+
+    The memory reset (gc, malloc_trim, peak reset) happens before the clock starts.
+    """
+    dev = as_device(device)
+    out = Measurement(dev)
+    base: int | None = None
+    ok = False
+    if memory:
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            ok = True
+        else:
+            _trim()
+            ok = _reset_cpu_peak()
+            base = _status_kb("VmRSS")
+    synchronize(dev)
+    c0, t0 = time.process_time(), time.perf_counter()
+    try:
+        yield out
+    finally:
+        synchronize(dev)
+        out.seconds = time.perf_counter() - t0
+        out.cpu_seconds = time.process_time() - c0
+        if memory and ok and base is not None:
+            if dev.type == "cuda":
+                out.peak_mb = (torch.cuda.max_memory_allocated(dev) - base) / MB
+            else:
+                peak = _status_kb("VmHWM")
+                out.peak_mb = float("nan") if peak is None else (peak - base) / 1024
+
+
+def measure(fn: Callable[[], T], device: torch.device | str | None = None,
+            memory: bool = True) -> tuple[T, float, float]:
+    """(fn(), seconds, peak memory rise in MB during fn) with the device synchronised."""
+    with timed(device, memory) as m:
+        result = fn()
+    return result, m.seconds, m.peak_mb
+
+
+def available_bytes(device: torch.device | str | None) -> int:
+    """Memory free for new tensors: cudaMemGetInfo on CUDA, MemAvailable on Linux CPUs."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    kb = _meminfo_kb("MemAvailable")
+    return 4 * 2**30 if kb is None else kb * 1024  # 4 GiB where it cannot be read
+
+
+def total_bytes(device: torch.device | str | None) -> int:
+    dev = as_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    kb = _meminfo_kb("MemTotal")
+    return 8 * 2**30 if kb is None else kb * 1024
+
+
+def _meminfo_kb(key: str) -> int | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{key}:\s+(\d+)", text, re.M)
+    return int(m.group(1)) if m else None
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of a module's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """K and V of one token over every layer, in the model's dtype (a kvnotes LoadedModel)."""
+    a, hf = model.adapter, model.hf
+    return 2 * model.n_layers * a.n_kv_heads(hf) * a.head_dim(hf) * torch.finfo(model.dtype).bits // 8
+
+
+def estimate_peak_bytes(model: Any, tokens: int, caches: int = 3) -> int:
+    """A job's peak: the weights, `caches` KV caches of `tokens`, and one prefill's working set.
+
+    The working set of a prefill chunk: the hidden states and MLP activations of every token
+    (about 8 x hidden + 3 x intermediate values each), the logits of one position, and one
+    layer's attention scores where the kernel materialises them (q x k fp32 per head, bounded
+    here by a flash-style kernel's blocks: 4 x heads x tokens x 256).
+    """
+    cfg = model.config
+    hidden, inter = int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    width = torch.finfo(model.dtype).bits // 8
+    act = tokens * (8 * hidden + 3 * inter) * width
+    scores = 4 * model.adapter.n_heads(model.hf) * tokens * 256 * 4
+    return model_bytes(model.hf) + caches * tokens * kv_bytes_per_token(model) + act + scores + 4 * int(cfg.vocab_size)
+
+
+class MemoryBudgetError(RuntimeError):
+    """A job that cannot fit in the device's memory; raised before any work."""
+
+
+def check_fits(model: Any, tokens: int, caches: int = 3, headroom: float = 0.9) -> str:
+    """One line with the estimated peak; raises MemoryBudgetError when it exceeds the free memory.
+
+    The weights are already resident, so the budget is the free memory plus the weights.
+    """
+    dev = model.device
+    need = estimate_peak_bytes(model, tokens, caches)
+    have = available_bytes(dev) + model_bytes(model.hf)
+    line = (f"estimated peak memory {need / 2**30:.2f} GiB for {tokens} tokens on {dev} "
+            f"({have / 2**30:.2f} GiB available)")
+    if need > headroom * have:
+        raise MemoryBudgetError(f"{line}: does not fit; use fewer tokens, a smaller dtype or a larger device")
+    return line
