@@ -15,7 +15,6 @@ very same erratum prompt, which isolates the transplant), accuracy, and the late
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,6 +82,7 @@ def scenario(model: LoadedModel, sc: AgentScenario, cfg: AgentConfig, store: Pat
     from kvnotes import compose, run
     from kvnotes.store import load_block
     from kvnotes.tasks.agents import render
+    from kvnotes.timing import timed
 
     tok = model.tokenizer
     files = precompile(model, sc, store)
@@ -91,26 +91,26 @@ def scenario(model: LoadedModel, sc: AgentScenario, cfg: AgentConfig, store: Pat
     prev: tuple[int, ...] = ()
     for t in range(len(sc.turns)):
         p = render(sc, tok, t, "erratum")
-        t0 = time.perf_counter()
-        if cache is None:  # first turn: system head, transplanted skills, then the rest
-            first = min(p.segments[f"skill:{n}"][0] for n in sc.domains)
-            last = max(p.segments[f"skill:{n}"][1] for n in sc.domains)
-            head = run.prefill(model, list(p.ids[:first])).cache
-            blocks = [load_block(files[n], model) for n in sc.domains]
-            ctx_cache = compose.transplant(model, head, blocks, cfg.seam)
-            step = run.extend(model, ctx_cache, list(p.ids[last:]))
-            new_tokens = first + sum(min(cfg.seam, len(b)) for b in blocks) + len(p.ids) - last
-        else:  # later turns: keep the cache, append what changed (answer, errata, request)
-            keep = common_prefix(prev, p.ids)
-            step = run.extend(model, cache.slice(0, keep), list(p.ids[keep:]))
-            new_tokens = len(p.ids) - keep
-        composed_s = time.perf_counter() - t0
+        with timed(model.device) as clock:  # device-synchronised at both ends
+            if cache is None:  # first turn: system head, transplanted skills, then the rest
+                first = min(p.segments[f"skill:{n}"][0] for n in sc.domains)
+                last = max(p.segments[f"skill:{n}"][1] for n in sc.domains)
+                head = run.prefill(model, list(p.ids[:first])).cache
+                blocks = [load_block(files[n], model) for n in sc.domains]
+                ctx_cache = compose.transplant(model, head, blocks, cfg.seam)
+                step = run.extend(model, ctx_cache, list(p.ids[last:]))
+                new_tokens = first + sum(min(cfg.seam, len(b)) for b in blocks) + len(p.ids) - last
+            else:  # later turns: keep the cache, append what changed (answer, errata, request)
+                keep = common_prefix(prev, p.ids)
+                step = run.extend(model, cache.slice(0, keep), list(p.ids[keep:]))
+                new_tokens = len(p.ids) - keep
+        composed_s = clock.seconds
         cache, prev = step.cache, p.ids
         logits = step.logits[0, -1]
         ref_p = render(sc, tok, t, "inplace")
-        t0 = time.perf_counter()
-        ref = run.prefill(model, list(ref_p.ids)).logits[0, -1]
-        full_s = time.perf_counter() - t0
+        with timed(model.device) as clock:
+            ref = run.prefill(model, list(ref_p.ids)).logits[0, -1]
+        full_s = clock.seconds
         same = run.prefill(model, list(p.ids)).logits[0, -1]  # full recompute, erratum prompt
         vs_ref = compare(logits, ref, p.decision_ids)
         vs_same = compare(logits, same, p.decision_ids)

@@ -10,8 +10,9 @@ one process, alternating their order every repeat:
 * the limit: prefill only the question against an already cached prefix + skill context.
 
 speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
-limit (it adds the load, one rotation per layer and the seam forward). Peak memory is the rise
-of the process' peak RSS during each path (Linux clear_refs). Medians over repeats, with
+limit (it adds the load, one rotation per layer and the seam forward). Every timed region is
+device-synchronised; peak memory is torch.cuda.max_memory_allocated on CUDA, the rise of the
+process' peak RSS during each path on CPU (Linux clear_refs). Medians over repeats, with
 bootstrap CIs of the per-repeat paired ratios.
 
     python -m experiments.run +experiment=compose_scaling model=llama device=cpu
@@ -19,12 +20,8 @@ bootstrap CIs of the per-repeat paired ratios.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 import random
-import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,44 +78,15 @@ class ComposeScalingConfig:
 # --- memory and timing ------------------------------------------------------------------------
 
 
-def _status_kb(field_name: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    m = re.search(rf"{field_name}:\s+(\d+)", text)
-    return int(m.group(1)) if m else None
+def measure(fn: Callable[[], Any], device: Any = None) -> tuple[Any, float, float]:
+    """(result, seconds, peak memory rise in MB during fn; NaN when it cannot be measured).
 
+    The device is synchronised at both ends; peak memory is torch.cuda.max_memory_allocated on
+    CUDA and the rise of the peak RSS (clear_refs) on CPU (kvnotes.timing.measure).
+    """
+    from kvnotes.timing import measure as timed_measure
 
-def _reset_peak() -> bool:
-    """Reset the peak RSS (VmHWM) to the current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _trim() -> None:
-    """Hand freed heap pages back to the OS (glibc), so a later peak counts new allocations."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def measure(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """(result, seconds, peak RSS rise in MB during fn; NaN when it cannot be measured)."""
-    gc.collect()
-    _trim()
-    ok = _reset_peak()
-    base = _status_kb("VmRSS")
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    peak = _status_kb("VmHWM")
-    rise = (peak - base) / 1024 if ok and peak is not None and base is not None else float("nan")
-    return out, dt, rise
+    return timed_measure(fn, device, memory=True)
 
 
 def cache_mb(cache: Any) -> float:
@@ -171,14 +139,15 @@ def one_length(
     """
     from kvnotes import compose, run
     from kvnotes.store import block_path, load_block, save_block
+    from kvnotes.timing import timed
 
     tok = model.tokenizer
     prefix, question = question_ids(tok, cfg.skill, chat)
     block = skill_ids(tok, cfg.skill, length, seed)
     path = block_path(store, f"{cfg.skill}-L{length}")
-    t0 = time.perf_counter()
-    save_block(path, model, compose.prefill_block(model, block), name=f"{cfg.skill}-L{length}")
-    precompile_s = time.perf_counter() - t0
+    with timed(model.device) as clock:
+        save_block(path, model, compose.prefill_block(model, block), name=f"{cfg.skill}-L{length}")
+    precompile_s = clock.seconds
     prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, common to all
     static = {"length": length, "prefix_len": len(prefix), "question_len": len(question),
               "store_mb": path.stat().st_size / 2**20, "precompile_s": precompile_s}
@@ -194,15 +163,15 @@ def one_length(
 
     def transplant(seam: int) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
-            t = time.perf_counter()
-            blk = load_block(path, model)
-            t1 = time.perf_counter()
-            parts["load_s"] = t1 - t
-            cache = compose.transplant(model, prefix_cache, blk, seam)
-            t2 = time.perf_counter()
-            parts["splice_s"] = t2 - t1
-            logits = run.extend(model, cache, question).logits[0, -1]
-            parts["question_s"] = time.perf_counter() - t2
+            with timed(model.device) as clock:
+                blk = load_block(path, model)
+            parts["load_s"] = clock.seconds
+            with timed(model.device) as clock:
+                cache = compose.transplant(model, prefix_cache, blk, seam)
+            parts["splice_s"] = clock.seconds
+            with timed(model.device) as clock:
+                logits = run.extend(model, cache, question).logits[0, -1]
+            parts["question_s"] = clock.seconds
             return logits
         return go
 
@@ -219,7 +188,7 @@ def one_length(
         order = paths[r % len(paths):] + paths[: r % len(paths)]
         for name, seam, fn in order:
             parts.clear()
-            logits, seconds, peak = measure(fn)
+            logits, seconds, peak = measure(fn, model.device)
             if name == "full" and ref is None:
                 ref = logits
             rows.append({"kind": "timing", "path": name, "seam": -1 if seam is None else seam,
