@@ -27,7 +27,8 @@ RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "se
 KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the same question
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
 NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent"})  # ignore cfg.task
-MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks"})
+MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks",
+                         "distance"})
 
 
 def find_runs(results: str | Path) -> list[Path]:

@@ -232,6 +232,14 @@ def memory_records() -> list[dict]:
     return rows
 
 
+def distance_records() -> list[dict]:
+    return [{**item_base(i), "item_id": f"gated/s0/L1200/D{d}/{i:04d}/{DOMAINS[i % 3]}", "pair_id": f"gated/{i}",
+             "distance": d, "distance_tokens": d - 3, "delta": 2.0 / np.log2(d), "abs_delta": 2.0 / np.log2(d),
+             "usable": i != 0, "field_only": 1 - np.log2(d) / 10 if i else math.nan,
+             "notes_only": np.log2(d) / 10 if i else math.nan, "full_downstream": 1.0 if i else math.nan}
+            for i in range(N_ITEMS) for d in (32, 64, 128, 256, 512, 1024)]
+
+
 JOBS = {
     "patching": ("probe", "gated", patching_records), "suffix": ("probe", "gated", suffix_records),
     "linear": ("probe", "gated-polarity", linear_records), "knockout": ("probe", "gated", knockout_records),
@@ -240,6 +248,7 @@ JOBS = {
     "compose": ("experiment", "gated", compose_records), "compose_scaling": ("experiment", "gated", scaling_records),
     "agent": ("experiment", "gated", agent_records), "serving": ("experiment", "gated", serving_records),
     "memory": ("experiment", "gated", memory_records),
+    "distance": ("experiment", "gated", distance_records),
 }
 
 

@@ -30,6 +30,7 @@ FIGURES = (
     "ttft_scaling",
     "agent",
     "serving",
+    "distance",
 )
 
 
