@@ -137,6 +137,24 @@ def total_bytes(device: torch.device | str | None) -> int:
     return 8 * 2**30 if kb is None else kb * 1024
 
 
+def native_bf16(device: torch.device | str | None) -> bool:
+    """Whether the device computes bf16 natively: CUDA with bf16 support, CPUs with AVX512-BF16,
+    AMX-BF16 or (aarch64) BF16 instructions. Without them a CPU emulates bf16 matmuls, several
+    times slower than fp32 (5.7 vs 26 GFLOPS measured for one thread of an AVX2 CPU)."""
+    dev = as_device(device)
+    if dev.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if dev.type != "cpu":
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    m = re.search(r"^(flags|Features)\s*:(.*)$", text, re.M)
+    flags = set(m.group(2).split()) if m else set()
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def _meminfo_kb(key: str) -> int | None:
     try:
         text = Path("/proc/meminfo").read_text()

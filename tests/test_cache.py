@@ -74,3 +74,21 @@ def test_cat_slice_select_stack():
     assert s.batch == 2 and s.batch_item(0).max_abs_diff(a) == 0.0
     with pytest.raises(ValueError, match="different lengths"):
         stack([a, _rand_cache(2, 9, 1)])
+
+
+def test_slots_buffers_copy_once_and_refuse_overflow():
+    """The buffers a forward writes into: the cache in [:n] (broadcast over a batch), room after."""
+    from kvnotes.cache import buffers, dynamic, from_slots, slots_class
+
+    c = _rand_cache(2, 5, 0)
+    keys, values = buffers(c, room=3, batch=2, device=torch.device("cpu"))
+    assert keys[0].shape == (2, 2, 8, 8) and torch.equal(keys[0][1, :, :5], c.keys[0][0])
+    layers = [slots_class()(k, v, 5, 3) for k, v in zip(keys, values)]
+    past = dynamic(layers)
+    new = torch.randn(2, 2, 3, 8)
+    k_all, _ = layers[0].update(new, new)
+    layers[1].update(new, new)
+    assert past.get_seq_length() == 8 and torch.equal(k_all[:, :, 5:], new)
+    assert from_slots(past).seq_len == 8 and c.seq_len == 5  # the source cache is untouched
+    with pytest.raises(RuntimeError, match="holds 8 positions"):
+        layers[0].update(new[:, :, :1], new[:, :, :1])

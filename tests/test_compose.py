@@ -58,3 +58,42 @@ def test_real_llama_splice_fidelity(llama):
     got = run.extend(llama, compose.splice(llama, pre, b, seam=0), q).logits[0, -1]
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=0).item()
     assert cos > 0.9, cos
+
+
+# --- the transplant fast path: one forward for every seam (and the question) ---------------------
+
+
+def _count_forwards(model):
+    calls = []
+    handle = model.adapter.decoder(model.hf).register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("seam", [0, 2, 100])
+def test_transplant_extend_equals_transplant_then_extend(tiny, seam):
+    pre = run.prefill(tiny, _ids(13, 0)).cache
+    blocks = [compose.prefill_block(tiny, _ids(n, s)) for n, s in ((9, 1), (5, 2), (11, 3))]
+    q = _ids(6, 4)
+    want = run.extend(tiny, compose.transplant(tiny, pre, blocks, seam), q, logits_to_keep=0)
+    calls, handle = _count_forwards(tiny)
+    try:
+        got = compose.transplant_extend(tiny, pre, blocks, seam, q, logits_to_keep=0)
+    finally:
+        handle.remove()
+    assert len(calls) == 1  # seams of all blocks and the question: one forward
+    assert (got.logits - want.logits).abs().max().item() <= ATOL_FP32
+    assert got.cache.max_abs_diff(want.cache) <= ATOL_FP32
+
+
+def test_multi_block_seams_are_repaired_in_one_forward(tiny):
+    blocks = [compose.prefill_block(tiny, _ids(8, s)) for s in range(4)]
+    pre = run.prefill(tiny, _ids(5, 9)).cache
+    calls, handle = _count_forwards(tiny)
+    try:
+        got = compose.transplant(tiny, pre, blocks, seam=3)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert got.max_abs_diff(compose.splice_many(tiny, pre, blocks, seam=3)) <= ATOL_FP32
+    full = run.prefill(tiny, torch.cat([_ids(5, 9), compose.block_ids(blocks)], 1)).cache
+    assert compose.transplant(tiny, pre, blocks, seam=8).max_abs_diff(full) <= ATOL_FP32

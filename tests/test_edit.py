@@ -110,3 +110,14 @@ def test_rank_by_effect_puts_the_most_recovering_position_first(setup):
               for p in (order[0], order[1], order[-1])}
     assert effect[order[0]] >= effect[order[1]] - 1e-5 and effect[order[0]] >= effect[order[-1]] - 1e-5
     assert effect[order[0]] > effect[order[-1]]
+
+
+def test_edit_times_are_device_synchronised(setup, monkeypatch):
+    """Every strategy's time waits for the device at both ends (CUDA runs asynchronously)."""
+    import kvnotes.timing
+
+    m, _, ed = setup
+    seen = []
+    monkeypatch.setattr(kvnotes.timing, "synchronize", lambda device: seen.append(torch.device(device)))
+    state = ed.erratum()
+    assert seen == [m.device, m.device] and state.seconds > 0

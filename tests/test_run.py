@@ -11,7 +11,7 @@ def _ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("split", [1, 17, 39])
+@pytest.mark.parametrize("split", [1, 17, 39, 59])  # p < q, p >= q, one token past the window
 def test_prefill_then_extend_equals_full_forward(tiny, split):
     ids = _ids(60)  # longer than the tiny sliding window (24)
     full = run.full_logits(tiny, ids)
@@ -117,3 +117,102 @@ def test_knockout_respects_layers_and_heads_and_capture_matches_eager(tiny):
         ref = _eager(tiny)(input_ids=ids, output_attentions=True).attentions
     for layer in range(tiny.n_layers):
         assert (w[layer][0, :, 0] - ref[layer][0, :, -1]).abs().max().item() <= 1e-5
+
+
+# --- engine speed: what the fast paths must not change ------------------------------------------
+
+
+def test_text_is_tokenized_as_ids(tiny):
+    """prefill/extend take text as TransformerLens' run_with_cache does (extend: no BOS)."""
+    tok = tiny.tokenizer
+    text, more = "The capital of France is", " Paris, and of Spain"
+    a = run.prefill(tiny, text)
+    assert torch.equal(a.logits, run.prefill(tiny, tok(text)["input_ids"]).logits)
+    got = run.extend(tiny, a.cache, more).logits
+    want = run.extend(tiny, a.cache, tok(more, add_special_tokens=False)["input_ids"]).logits
+    assert torch.equal(got, want)
+
+
+def test_text_without_a_tokenizer_is_refused(tiny):
+    from kvnotes.models import wrap_model
+
+    bare = wrap_model(tiny.hf)  # same module, no tokenizer
+    with pytest.raises(ValueError, match="tokenizer"):
+        run.prefill(bare, "hello")
+
+
+def test_read_variants_refuses_negative_positions_as_patch_does(tiny):
+    from kvnotes.cache import patch
+
+    g = torch.Generator().manual_seed(0)
+    c = run.prefill(tiny, torch.randint(0, 128, (1, 10), generator=g)).cache
+    with pytest.raises(IndexError, match=r"positions out of range 0\.\.9") as want:
+        patch(c, c, [-1])
+    with pytest.raises(IndexError) as got:
+        run.read_variants(tiny, c, c, [[2], [-1]], [5])
+    assert str(got.value) == str(want.value)
+
+
+def test_cached_extend_builds_no_mask_and_repeats_no_keys(tiny, monkeypatch):
+    """Within the window, a causal extension reaches SDPA as is_causal (or one query), no mask,
+    keys at their kv-head count: the fused kernel, not the full square with repeated keys."""
+    import torch.nn.functional as F
+
+    if tiny.hf.config._attn_implementation != "sdpa":
+        pytest.skip("eager family (soft-capping): transformers builds its mask")
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        calls.append((attn_mask is None, kw.get("is_causal", False), k.shape[1], q.shape[2]))
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    ids = _ids(21)  # shorter than the tiny sliding window (24)
+    c = run.prefill(tiny, ids[:, :8]).cache
+    run.extend(tiny, c, ids[:, 8:20])  # 8 cached, 12 new: p < q
+    run.extend(tiny, c, ids[:, 8:9])  # one token
+    kv = tiny.adapter.n_kv_heads(tiny.hf)
+    assert calls and all(no_mask and heads == kv for no_mask, _, heads, _ in calls)
+    assert all(causal for _, causal, _, rows in calls if rows > kv)  # rows: packed single query
+
+
+def test_forward_at_fuses_recompute_and_append(tiny):
+    """Recomputing positions and appending tokens in one forward equals the two calls."""
+    from kvnotes.cache import buffers
+
+    old, new = _ids(26, seed=0), _ids(26, seed=0).clone()
+    new[0, 5:7] = torch.tensor([3, 4])
+    c = run.prefill(tiny, old[:, :20]).cache
+    fixed = run.recompute(tiny, c, new[:, :20], [5, 6])
+    want = run.extend(tiny, fixed, new[:, 20:], logits_to_keep=0)
+    keys, values = buffers(c, 2 + 6, 1, tiny.device)
+    pos = [5, 6, *range(20, 26)]
+    logits = run.forward_at(tiny, keys, values, 20, new[:, pos], pos, logits_to_keep=6)
+    got = KVCache_of(keys, values, 26)
+    assert logits is not None and (logits - want.logits).abs().max().item() <= ATOL_FP32
+    assert got.max_abs_diff(want.cache) <= ATOL_FP32
+    with pytest.raises(IndexError, match="appended"):
+        run.forward_at(tiny, keys, values, 20, new[:, [21]], [21])
+
+
+def KVCache_of(keys, values, n):
+    from kvnotes.cache import KVCache
+
+    return KVCache(tuple(k[:, :, :n] for k in keys), tuple(v[:, :, :n] for v in values))
+
+
+def test_variant_batch_size_follows_free_memory(tiny, monkeypatch):
+    import kvnotes.timing
+
+    monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**6)
+    small = run.variant_batch_size(tiny, 1000, 1, 1)
+    monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**10)
+    large = run.variant_batch_size(tiny, 1000, 1, 1)
+    assert 1 <= small < large <= 1024
+    g = torch.Generator().manual_seed(0)
+    a = run.prefill(tiny, torch.randint(0, 128, (1, 12), generator=g)).cache
+    b = run.prefill(tiny, torch.randint(0, 128, (1, 12), generator=g)).cache
+    variants = [[p] for p in range(12)]
+    auto = run.read_variants(tiny, a, b, variants, [7])
+    assert (auto - run.read_variants(tiny, a, b, variants, [7], batch_size=5)).abs().max() <= ATOL_FP32

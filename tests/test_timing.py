@@ -1,0 +1,53 @@
+"""kvnotes.timing: synchronised regions, peak memory per device, memory budgets."""
+
+import time
+
+import pytest
+import torch
+
+import kvnotes.timing as timing
+from kvnotes.models.tiny import tiny_model
+
+
+def test_timed_measures_the_region_wall_and_cpu():
+    with timing.timed("cpu") as t:
+        time.sleep(0.05)
+    assert t.seconds >= 0.05 and t.cpu_seconds < t.seconds
+
+
+def test_cuda_regions_synchronise_at_both_ends_and_read_cuda_peak(monkeypatch):
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda dev=None: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 100)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev=None: 100 + 3 * 2**20)
+    with timing.timed("cuda", memory=True) as t:
+        events.append("work")
+    assert events == ["reset", "sync", "work", "sync"]
+    assert t.peak_mb == pytest.approx(3.0)
+
+
+def test_cpu_peak_counts_an_allocation_inside_the_region():
+    def work():
+        x = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched
+        return float(x.sum())
+
+    out, seconds, peak = timing.measure(work, "cpu")
+    assert out == 32 * 2**20 // 4 and seconds > 0
+    if peak != peak:  # NaN: this kernel does not allow resetting the peak RSS
+        pytest.skip("no /proc/self/clear_refs here")
+    assert peak >= 24
+
+
+def test_memory_budget_is_stated_and_enforced():
+    m = tiny_model("llama")
+    assert timing.available_bytes("cpu") > 0 and timing.total_bytes("cpu") >= timing.available_bytes("cpu")
+    assert timing.estimate_peak_bytes(m, 2000) > timing.estimate_peak_bytes(m, 1000) > timing.model_bytes(m.hf)
+    line = timing.check_fits(m, 100)
+    assert line.startswith("estimated peak memory") and "available" in line
+    with pytest.raises(timing.MemoryBudgetError, match="does not fit"):
+        timing.check_fits(m, 10**10)
+
+
+def test_native_bf16_is_a_bool():
+    assert isinstance(timing.native_bf16("cpu"), bool)
