@@ -26,7 +26,7 @@ RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "se
                "dirty", "forced", "status", "started", "run_variant", "margin", "model_margin", "dtype", "device", "weights", "run_path")
 KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the same question
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
-NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent"})  # ignore cfg.task
+NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent", "blend"})  # ignore cfg.task
 MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks",
                          "distance"})
 

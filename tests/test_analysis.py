@@ -240,6 +240,16 @@ def distance_records() -> list[dict]:
             for i in range(N_ITEMS) for d in (32, 64, 128, 256, 512, 1024)]
 
 
+def blend_records() -> list[dict]:
+    methods = [("full", "full", 1.0, 1.0), ("naive", "naive", 0.0, 0.0)]
+    methods += [("seam", f"seam@{k}", k, k / 100) for k in (2, 8, 32)]
+    methods += [(m, f"{m}@{r:g}", r, r) for m in ("cacheblend", "notes") for r in (0.05, 0.15, 0.3)]
+    return [{"kind": "blend", "workload": w, "item_id": f"{w}/{i}", "method": m, "name": name,
+             "setting": setting, "recompute_fraction": frac, "cosine": 0.9 + 0.1 * frac - 0.01 * i,
+             "task_score": float((i + int(10 * frac)) % 2) if w == "skills" else 0.3 + 0.2 * frac}
+            for w in ("skills", "locomo") for i in range(4) for m, name, setting, frac in methods]
+
+
 JOBS = {
     "patching": ("probe", "gated", patching_records), "suffix": ("probe", "gated", suffix_records),
     "linear": ("probe", "gated-polarity", linear_records), "knockout": ("probe", "gated", knockout_records),
@@ -249,6 +259,7 @@ JOBS = {
     "agent": ("experiment", "gated", agent_records), "serving": ("experiment", "gated", serving_records),
     "memory": ("experiment", "gated", memory_records),
     "distance": ("experiment", "gated", distance_records),
+    "blend": ("experiment", "gated", blend_records),
 }
 
 

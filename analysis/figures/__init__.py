@@ -31,6 +31,7 @@ FIGURES = (
     "agent",
     "serving",
     "distance",
+    "blend",
 )
 
 
