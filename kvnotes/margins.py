@@ -100,4 +100,4 @@ def no_usable_hint(n_items: int, margin: float | Sequence[float], largest: float
     return (f"no usable item: none of {n_items} moved the decision by |score_new - score_old| >= "
             f"margin {m:g}{top}. Try a model that conditions on the field (qwen-1.5b), a margin "
             f"derived by the rule (python -m analysis.margin <gated-control validate_tasks run>), "
-            f"or a task with the value near the question (task=memory).")
+            f"or a task that puts the value near the question (kvnotes/tasks/README.md, Measurements).")

@@ -105,7 +105,9 @@ def reading(recovery: Mapping[str, Mapping[str, Any]], n_usable: int) -> str | N
     elif fo["ci_lo"] > 0.5 and no["ci_hi"] < 0.5:
         what = "the decision is read from the field itself; the notes after it carry little (unlike the paper)"
     elif fo["ci_hi"] < 0.5 and no["ci_lo"] > 0.5:
-        what = "the notes after the field carry most of the decision, the field's own K/V some (partly the paper's picture)"
+        field = (f"the field's own K/V at most a little (its CI reaches 0 and {fo['ci_hi']:.2f})"
+                 if fo["ci_lo"] <= 0.0 else "the field's own K/V some")
+        what = f"the notes after the field carry most of the decision, {field} (near the paper's picture)"
     else:
         what = "both the field and the notes after it carry part of the decision (neither picture alone)"
     return (f"over {n_usable} usable items, patching only the field's K/V moves the decision {cell(fo)} of "

@@ -48,6 +48,10 @@ def test_reading_names_the_picture_the_intervals_show():
     assert "the paper's picture" in paper and "over 30 usable items" in paper and "0.02 [-0.01, 0.05]" in paper
     direct = locality.reading(_summary((0.9, 0.8, 1.0), (0.1, 0.0, 0.2), (1.0, 1.0, 1.0)), 30)
     assert "read from the field itself" in direct
+    near = locality.reading(_summary((0.09, -0.1, 0.27), (0.92, 0.73, 1.11), (1.0, 1.0, 1.0)), 42)
+    assert "carry most of the decision" in near and "at most a little (its CI reaches 0 and 0.27)" in near
+    some = locality.reading(_summary((0.2, 0.05, 0.35), (0.8, 0.6, 0.9), (1.0, 1.0, 1.0)), 42)
+    assert "the field's own K/V some" in some
     mixed = locality.reading(_summary((0.4, 0.2, 0.6), (0.6, 0.4, 0.8), (1.0, 1.0, 1.0)), 30)
     assert "both the field and the notes" in mixed
     assert locality.reading(_summary((0.4, 0.2, 0.6), (0.6, 0.4, 0.8), (1, 1, 1), n=0), 0) is None
