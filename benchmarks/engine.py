@@ -12,7 +12,8 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   (block + question against the cached system prefix: the prefix is cached on both sides),
   of the transplant (the block read from disk inside the timed region, rotated, seam K = 4
   repaired and the question run in one forward: compose.transplant_extend), of the same transplant with the block file dropped from the page cache
-  (`transplant_cold_speedup`), and of the limit;
+  (`transplant_cold_speedup`), without the block's content hash (`..._unverified_share_of_limit`:
+  load_block(verify=False)), and of the limit;
 * eight blocks of L/8 tokens, K = 4: the same, with all seams repaired in one forward.
 
 The limit is the question forwarded against an already cached context, defined independently
@@ -202,8 +203,9 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
     def full() -> torch.Tensor:
         return run.extend(model, prefix_cache, body + question).logits[0, -1]
 
-    def transplant() -> torch.Tensor:  # read from disk, rotate, seams + question in one forward
-        loaded = [load_block(f, model) for f in files]
+    def transplant(verify: bool = True) -> torch.Tensor:
+        """Read from disk (content hash checked), rotate, seams + question in one forward."""
+        loaded = [load_block(f, model, verify=verify) for f in files]
         return compose.transplant_extend(model, prefix_cache, loaded, SEAM, question).logits[0, -1]
 
     def cold_setup() -> None:
@@ -217,6 +219,7 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
         Timed(f"{tag}_full", full),
         Timed(f"{tag}_transplant", transplant),
         Timed(f"{tag}_transplant_cold", transplant, cold_setup),
+        Timed(f"{tag}_transplant_unverified", lambda: transplant(verify=False)),
         Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
         Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
     ]
@@ -287,6 +290,8 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
         row["limit_speedup" if tag == "one" else "multiblock_limit_speedup"] = lim
         row[f"{key}_share_of_limit"] = tp / lim if tp is not None and lim is not None else None
         row[f"{key}_cold_speedup"] = speed(tag, "transplant_cold")
+        unverified = speed(tag, "transplant_unverified")  # load_block(verify=False): no hash
+        row[f"{key}_unverified_share_of_limit"] = unverified / lim if unverified and lim else None
         row[f"{key}_limit_engine_speedup"] = speed(tag, "limit_engine")
     if "map" in med:
         row["map_ratio"] = ratio("map", "prefill")

@@ -66,46 +66,54 @@ def _patched_attention(
     KV = key.shape[1]
     g = H // KV
     scale = scaling if scaling is not None else D**-0.5
-    kb, vb = var.base.keys[layer][0], var.base.values[layer][0]  # [kv, N, d]
+    dev = query.device
+    kb, vb = var.base.keys[layer][0].float(), var.base.values[layer][0].float()  # [kv, N, d]
     N = kb.shape[1]
     q = query.float().reshape(B, KV, g, T, D)  # heads grouped by their kv head
-    s_base = torch.einsum("bkgtd,knd->bkgtn", q, kb.float())  # [B, KV, g, T, N]
-    s_self = torch.einsum("bkgtd,bksd->bkgts", q, key.float())  # [B, KV, g, T, T]
+    # scores over the shared cache, written once and then changed in place: [B, KV, g, T, N]
+    # (einsum runs one bmm per kv head with (b, g, t) as rows; the base cache is never expanded)
+    s = torch.einsum("bkgtd,knd->bkgtn", q * scale, kb)
+    s_self = torch.einsum("bkgtd,bksd->bkgts", q, key.float()) * scale  # [B, KV, g, T, T]
 
-    pos = var.positions.to(query.device)  # [B, m]
-    on = var.layers[:, layer].to(query.device)[:, None] & (pos >= 0)  # [B, m] active patches
+    pos = var.positions.to(dev)  # [B, m]
+    on = var.layers[:, layer].to(dev)[:, None] & (pos >= 0)  # [B, m] active patches
     src_idx = pos.clamp(min=0)
     ks = var.src.keys[layer][0].float()[:, src_idx]  # [kv, B, m, d]
     vs = var.src.values[layer][0].float()[:, src_idx]
-    dv = vs - vb.float()[:, src_idx]  # value change at patched slots
-    s_patch = torch.einsum("bkgtd,kbmd->bkgtm", q, ks)  # [B, KV, g, T, m]
-    # inactive slots write into a scratch column N, so they never collide with a real position
-    slot = torch.where(on, pos, torch.full_like(pos, N))[:, None, None, None, :].expand(B, KV, g, T, -1)
-    s_ext = torch.cat([s_base, s_base.new_zeros(B, KV, g, T, 1)], dim=-1)
-    s_base = s_ext.scatter(-1, slot, s_patch)[..., :N]
-    scores = torch.cat([s_base, s_self], dim=-1) * scale  # [B, KV, g, T, N+T]
+    dv = vs - vb[:, src_idx]  # value change at patched slots
+    if bool(on.any()):  # patched slots read the source keys: s[b, ..., p] = q_b . k_src[p]
+        bi, ji = on.nonzero(as_tuple=True)
+        s_patch = torch.einsum("bkgtd,kbmd->bmkgt", q[bi] * scale, ks[:, bi, ji][:, :, None])
+        s.permute(0, 4, 1, 2, 3)[bi, pos[bi, ji]] = s_patch[:, 0]  # [n_active, KV, g, T]
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-
-    key_pos = torch.arange(N + T, device=query.device)
-    q_pos = N + torch.arange(T, device=query.device)
-    allowed = key_pos[None, :] <= q_pos[:, None]  # causal within the tail [T, N+T]
+        s.div_(softcap).tanh_().mul_(softcap)
+        s_self = torch.tanh(s_self / softcap) * softcap
+    q_pos = N + torch.arange(T, device=dev)
+    tail = torch.arange(T, device=dev)
+    hidden_self = tail[None, :] > tail[:, None]  # causal within the tail [T, T]
     if sliding_window is not None:
-        allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+        hidden_self |= (tail[:, None] - tail[None, :]) >= sliding_window
+        if N + T > sliding_window:  # base keys beyond the window, by position
+            far = (q_pos[:, None] - torch.arange(N, device=dev)[None, :]) >= sliding_window  # [T, N]
+            s.masked_fill_(far, float("-inf"))
+    s_self = s_self.masked_fill(hidden_self, float("-inf"))
     if var.key_mask is not None:
-        scores = scores.masked_fill(_knockout(var, layer, B, KV, g, T, query.device), float("-inf"))
-    w = torch.softmax(scores, dim=-1)  # [B, KV, g, T, N+T]
+        s.masked_fill_(_knockout(var, layer, B, KV, g, T, dev)[..., :N], float("-inf"))
+    # softmax over [base | tail] without concatenating: exp(s - max), normalised at the end
+    top = torch.maximum(s.amax(-1, keepdim=True), s_self.amax(-1, keepdim=True))  # [B, KV, g, T, 1]
+    s.sub_(top).exp_()
+    e_self = (s_self - top).exp()
+    z = s.sum(-1, keepdim=True) + e_self.sum(-1, keepdim=True)
     if var.capture is not None:
-        var.capture[layer] = w.reshape(B, H, T, N + T).detach().cpu()
+        var.capture[layer] = (torch.cat([s, e_self], dim=-1) / z).reshape(B, H, T, N + T).detach().cpu()
 
-    out = torch.einsum("bkgtn,knd->bkgtd", w[..., :N], vb.float())
-    out = out + torch.einsum("bkgts,bksd->bkgtd", w[..., N:], value.float())
-    w_ext = torch.cat([w[..., :N], w.new_zeros(B, KV, g, T, 1)], dim=-1)
-    w_patch = torch.gather(w_ext, -1, slot)  # weight on each patched slot, 0 when inactive
-    # a position listed twice in one variant must count once: keep the first occurrence
-    w_patch = w_patch * _first_occurrence(pos)[:, None, None, None, :]
-    out = out + torch.einsum("bkgtm,kbmd->bkgtd", w_patch, dv)
+    out = torch.einsum("bkgtn,knd->bkgtd", s, vb)
+    out = out + torch.einsum("bkgts,bksd->bkgtd", e_self, value.float())
+    slot = pos.clamp(min=0)[:, None, None, None, :].expand(B, KV, g, T, -1)  # [B, KV, g, T, m]
+    w_patch = torch.gather(s, -1, slot)  # unnormalised weight on each patched slot
+    # inactive slots and a position listed twice in one variant (after its first) count zero
+    w_patch = w_patch * (on & _first_occurrence(pos))[:, None, None, None, :]
+    out = (out + torch.einsum("bkgtm,kbmd->bkgtd", w_patch, dv)) / z
     out = out.reshape(B, H, T, D).transpose(1, 2).to(query.dtype)  # [B, T, H, d]
     return out, None
 

@@ -94,9 +94,10 @@ def patched_scores(
     `batch_size` states are read at once; None sizes the batches from the free memory.
     """
     logits = read_variants(
-        model, pair.old, pair.new, positions, pair.tail, layers, key_mask, batch_size
-    )[:, -1]
-    return scores_from_logits(pair.item, logits)
+        model, pair.old, pair.new, positions, pair.tail, layers, key_mask, batch_size,
+        vocab=list(pair.item.score_ids),
+    )[:, -1]  # [n, 2]: the two decision tokens only
+    return (logits[:, 0] - logits[:, 1]).cpu().numpy().astype(np.float64)
 
 
 def recoveries(pair: PatchPair, scores: np.ndarray, min_denominator: float = 1e-4) -> np.ndarray:

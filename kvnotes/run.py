@@ -173,6 +173,7 @@ def read_variants(
     mask_layers: Tensor | None = None,
     mask_heads: Tensor | None = None,
     capture: list[dict[int, Tensor]] | None = None,
+    vocab: Sequence[int] | None = None,
 ) -> Float[Tensor, "n tail vocab"]:
     """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
 
@@ -180,7 +181,8 @@ def read_variants(
     building the patched caches (see kvnotes.attention). Knockout: `key_mask[i, p]` hides cached
     key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
     `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
-    `batch_size` variants run at once (None: as many as half the free memory holds).
+    `batch_size` variants run at once (None: as many as half the free memory holds). `vocab`:
+    only the logits of these token ids ([n, tail, len(vocab)]), the LM head's other rows skipped.
     """
     x = as_ids(model, ids)
     if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
@@ -216,19 +218,30 @@ def read_variants(
             )
             xb = x.expand(b, -1)
             positions_ids = torch.arange(base.seq_len, base.seq_len + x.shape[1], device=model.device)
-            res = model.hf(
-                input_ids=xb,
-                position_ids=positions_ids[None].expand(b, -1),
-                use_cache=False,
-                kvnotes_variants=var,
-                logits_to_keep=0,
-            )
-            out.append(res.logits.float())
+            kw = dict(input_ids=xb, position_ids=positions_ids[None].expand(b, -1), use_cache=False,
+                      kvnotes_variants=var)
+            if vocab is None:
+                out.append(model.hf(**kw, logits_to_keep=0).logits.float())
+            else:
+                hidden = model.adapter.decoder(model.hf)(**kw).last_hidden_state  # [b, tail, d]
+                out.append(logits_of(model, hidden, vocab))
             if capture is not None and var.capture is not None:
                 capture.append(var.capture)
     finally:
         cfg._attn_implementation = saved
     return torch.cat(out, dim=0)
+
+
+def logits_of(model: LoadedModel, hidden: Tensor, vocab: Sequence[int]) -> Float[Tensor, "b t k"]:
+    """The LM head's logits of the token ids `vocab` only (fp32), final soft-capping included."""
+    head: Any = model.adapter.unembed(model.hf)
+    idx = torch.as_tensor(list(vocab), dtype=torch.long, device=hidden.device)
+    bias = None if getattr(head, "bias", None) is None else head.bias[idx]
+    logits = torch.nn.functional.linear(hidden, head.weight[idx], bias)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
 
 
 def _additive_masks(

@@ -216,3 +216,13 @@ def test_variant_batch_size_follows_free_memory(tiny, monkeypatch):
     variants = [[p] for p in range(12)]
     auto = run.read_variants(tiny, a, b, variants, [7])
     assert (auto - run.read_variants(tiny, a, b, variants, [7], batch_size=5)).abs().max() <= ATOL_FP32
+
+
+def test_read_variants_restricted_vocab_equals_the_full_logits(tiny):
+    g = torch.Generator().manual_seed(3)
+    a = run.prefill(tiny, torch.randint(0, 128, (1, 15), generator=g)).cache
+    b = run.prefill(tiny, torch.randint(0, 128, (1, 15), generator=g)).cache
+    variants, vocab = [[], [3], [1, 14]], [7, 100, 3]
+    full = run.read_variants(tiny, a, b, variants, [9, 4])
+    some = run.read_variants(tiny, a, b, variants, [9, 4], vocab=vocab)
+    assert some.shape == (3, 2, 3) and (some - full[..., vocab]).abs().max().item() <= ATOL_FP32
