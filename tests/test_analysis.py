@@ -535,7 +535,10 @@ def test_claims_are_recomputed_from_records(frame):
     assert (p90["mean"] > 5).all() and p90["note"].str.contains("censored").any()
     mem = report.ours(frame, "memory_delta").set_index("model")
     assert mem.loc["llama", "mean"] == pytest.approx(0.02) and "LoCoMo" in mem.loc["llama", "note"]
-    assert report.ours(frame, "causal_scrubbing").empty
+    assert report.ours(frame, "causal_scrubbing_note").empty  # no scrub run here: no data, not zero
+    heads = report.ours(frame, "heads_top_recovery").set_index("model")
+    assert heads.loc["llama", "mean"] == pytest.approx(0.6)  # attention ranking at k = 12 heads
+    assert report.ours(frame, "heads_random_recovery")["mean"].abs().lt(0.1).all()
 
 
 def test_verdicts_are_plain_and_honest():
@@ -564,7 +567,8 @@ def test_report_writes_claims_figures_and_runs(results, frame, drawn):
     out.write_text(text)
     assert "### field_only_recovery" in text and "Llama-3.1-8B -0.028" in text
     assert "![memoization_map](figures/memoization_map.png)" in text
-    assert "*Not measured*" in text  # causal scrubbing has no experiment
+    assert "*Not measured*" not in text  # every claim has its probe or experiment now
+    assert "*No data*: no completed `scrub` run" in text  # causal scrubbing: none in these runs
     assert "## Runs" in text and "## Cross-check against summary.json" in text
     assert "DEVELOPMENT RUN" not in text  # no run lowered its margin
     assert "FAILED" not in text and "skipped" not in text.split("## Figures")[1]
