@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kvnotes.cache import KVCache, patch
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import early_keys, extend, prefill, read_variants, recompute
+from kvnotes.run import early_keys, extend, prefill, read_variants, recompute_extend
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.tokens import encode
 from kvnotes.timing import timed
@@ -127,10 +127,9 @@ class Editor:
 
         def build() -> Built:
             if mode == "copy":
-                cache = patch(self.stale, self.oracle_cache, pos)
-            else:
-                cache = recompute(self.model, self.stale, self.item.new_ids[:-1], pos)
-            return self._read(cache, len(pos) + 1, self.item.new_ids)
+                return self._read(patch(self.stale, self.oracle_cache, pos), len(pos) + 1, self.item.new_ids)
+            step = recompute_extend(self.model, self.stale, self.item.new_ids[:-1], pos, self.tail)
+            return step.logits[0, -1], len(pos) + 1, tuple(self.item.new_ids), step.cache
 
         return _timed(build, name or f"selective_{mode}", self.n, self.model.device)
 
@@ -157,12 +156,9 @@ class Editor:
 
         def build() -> Built:
             prefix = self.stale.slice(0, at)
-            extra = 0
-            if with_field:
-                prefix = recompute(self.model, self.stale, item.new_ids[:-1], span).slice(0, at)
-                extra = len(span)
-            step = extend(self.model, prefix, rest)
-            return step.logits[0, -1], len(rest) + extra, ids, step.cache
+            fixed = list(span) if with_field else []  # the field recomputed in the same forward
+            step = recompute_extend(self.model, prefix, item.new_ids[:at], fixed, rest)
+            return step.logits[0, -1], len(rest) + len(fixed), ids, step.cache
 
         name = ("field_erratum" if with_field else "erratum") + ("" if wording == "explicit" and template is None else f"_{wording}")
         return _timed(build, name, len(ids), self.model.device)
@@ -226,8 +222,10 @@ class Editor:
             dev = (fresh.float() - self.stale.keys[check_layer].float()).norm(dim=-1).sum(1)[0]  # [pos]
             k = max(1, round(fraction * self.stale.seq_len))
             top = torch.argsort(dev, descending=True)[:k].tolist()
-            cache = recompute(self.model, self.stale, self.item.new_ids[:-1], sorted(set(top) | set(range(*self.item.field_span))))
-            return self._read(cache, k + 1 + self.n * (check_layer + 1) // self.model.n_layers, self.item.new_ids)
+            chosen = sorted(set(top) | set(range(*self.item.field_span)))
+            step = recompute_extend(self.model, self.stale, self.item.new_ids[:-1], chosen, self.tail)
+            recomputed = k + 1 + self.n * (check_layer + 1) // self.model.n_layers
+            return step.logits[0, -1], recomputed, tuple(self.item.new_ids), step.cache
 
         return _timed(build, f"cacheblend@{round(fraction * 100)}%", self.n, self.model.device)
 

@@ -344,6 +344,34 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
     return KVCache(tuple(kb[:, :, :n] for kb in keys), tuple(vb[:, :, :n] for vb in values))
 
 
+@torch.inference_mode()
+def recompute_extend(
+    model: LoadedModel,
+    cache: KVCache,
+    ids: Ids,
+    positions: Sequence[int],
+    tail: Ids,
+    logits_to_keep: int = 1,
+) -> Step:
+    """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache."""
+    x, t = as_ids(model, ids), as_ids(model, tail)
+    n = cache.seq_len
+    chosen = sorted(set(int(p) for p in positions))
+    if not chosen:
+        return extend(model, cache, t, logits_to_keep)
+    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
+        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    if cache.batch != 1 or t.shape[0] != 1:
+        raise ValueError("recompute_extend takes a batch-1 cache and one tail")
+    m = t.shape[1]
+    keys, values = buffers(cache, len(chosen) + m, 1, model.device)
+    toks = torch.cat([x[:, chosen], t], dim=1)
+    keep = m if logits_to_keep == 0 else min(logits_to_keep, m)
+    logits = forward_at(model, keys, values, n, toks, [*chosen, *range(n, n + m)], logits_to_keep=keep)
+    assert logits is not None
+    return Step(logits, KVCache(tuple(k[:, :, : n + m] for k in keys), tuple(v[:, :, : n + m] for v in values)))
+
+
 class _Stop(Exception):
     pass
 

@@ -226,3 +226,19 @@ def test_read_variants_restricted_vocab_equals_the_full_logits(tiny):
     full = run.read_variants(tiny, a, b, variants, [9, 4])
     some = run.read_variants(tiny, a, b, variants, [9, 4], vocab=vocab)
     assert some.shape == (3, 2, 3) and (some - full[..., vocab]).abs().max().item() <= ATOL_FP32
+
+
+def test_recompute_extend_is_recompute_then_extend_in_one_forward(tiny):
+    old, new = _ids(30, seed=1), _ids(30, seed=1).clone()
+    new[0, 4:6] = torch.tensor([9, 8])
+    c = run.prefill(tiny, old[:, :25]).cache
+    want = run.extend(tiny, run.recompute(tiny, c, new[:, :25], [4, 5, 11]), new[:, 25:], logits_to_keep=0)
+    calls = []
+    hook = tiny.adapter.decoder(tiny.hf).register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        got = run.recompute_extend(tiny, c, new[:, :25], [11, 4, 5], new[:, 25:], logits_to_keep=0)
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and got.cache.seq_len == 30
+    assert (got.logits - want.logits).abs().max().item() <= ATOL_FP32
+    assert got.cache.max_abs_diff(want.cache) <= ATOL_FP32
