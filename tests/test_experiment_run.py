@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import OmegaConf
+from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
 import experiments.run as runner
 import kvnotes.compose
@@ -22,28 +21,6 @@ from experiments import registry
 from experiments.config import ConfigError
 from experiments.output import RecordWriter, config_hash, find_unfinished
 from kvnotes.models import WeightsError
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["model.name=tiny-llama", "model.tiny_family=llama"]
-SMALL = ["experiment.n_blocks=3", "experiment.block_sentences=2", "experiment.prefix_sentences=1",
-         "experiment.seams=[0,1,4]", "experiment.n_boot=50", "progress=false"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hydra_ready():
-    runner.prepare()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        yield
-
-
-def selfcheck_cfg(results: Path, *overrides: str):
-    return compose("config", overrides=["+experiment=selfcheck", f"results_dir={results}",
-                                        *TINY, *SMALL, *overrides])
-
-
-def read(path: Path) -> dict:
-    return json.loads(path.read_text())
-
 
 # --- RecordWriter ---------------------------------------------------------------------------
 

@@ -19,34 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra import compose
+from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
 import experiments.run as runner
 import kvnotes.compose
 from experiments import output
 from experiments.config import ConfigError
 from experiments.output import RecordWriter, RunDirError, RunLock
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["model.name=tiny-llama", "model.tiny_family=llama"]
-SMALL = ["experiment.n_blocks=3", "experiment.block_sentences=2", "experiment.prefix_sentences=1",
-         "experiment.seams=[0,1,4]", "experiment.n_boot=50", "progress=false"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hydra_ready():
-    runner.prepare()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        yield
-
-
-def selfcheck_cfg(results: Path, *overrides: str):
-    return compose("config", overrides=["+experiment=selfcheck", f"results_dir={results}",
-                                        *TINY, *SMALL, *overrides])
-
-
-def read(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def interrupted_run(results: Path, monkeypatch) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from kvnotes.tasks.templates import (
     Domain,
     Suite,
     UnknownSuiteError,
+    configured_suite,
     domain_names,
     load_suite,
     suite_names,
@@ -67,15 +67,7 @@ def build_suite(
     `chat` applies the tokenizer's chat template when it has one (base models get completion
     text); `domains` keeps a subset; `design` overrides the suite's prompt-design fields.
     """
-    s = load_suite(suite, template_dirs)
-    if domains is not None:
-        known = {d.name: d for d in s.domains}
-        missing = [n for n in domains if n not in known]
-        if missing:
-            raise ValueError(f"suite {suite!r} has no domains {missing}; valid: {sorted(known)}")
-        s = replace(s, domains=tuple(known[n] for n in domains))
-    if design:
-        s = replace(s, design=replace(s.design, **dict(design)))
+    s = configured_suite(suite, template_dirs, domains, design)
     n = s.n_items if n_items is None else n_items
     L = s.length if length is None else length
     sd = s.seed if seed is None else seed

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvnotes.tasks import filler
 from kvnotes.tasks.gated import Draw, draw, example_pieces, outcome_for, rule_pieces
 from kvnotes.tasks.item import TaskItem
-from kvnotes.tasks.templates import Suite, banks, load_suite
+from kvnotes.tasks.templates import Suite, banks, configured_suite
 from kvnotes.tasks.tokens import Frame, Piece, assemble, encode, frame, rendered_fields
 
 LAYOUT = "distance"
@@ -178,15 +177,7 @@ def build_distance_suite(
     effect here: the layout fixes it). A distance below an item's closing, or a length below what
     a distance needs, raises before anything is returned.
     """
-    s = load_suite(suite, template_dirs)
-    if domains is not None:
-        known = {d.name: d for d in s.domains}
-        missing = [n for n in domains if n not in known]
-        if missing:
-            raise ValueError(f"suite {suite!r} has no domains {missing}; valid: {sorted(known)}")
-        s = replace(s, domains=tuple(known[n] for n in domains))
-    if design:
-        s = replace(s, design=replace(s.design, **dict(design)))
+    s = configured_suite(suite, template_dirs, domains, design)
     ds = check_distances(distances)
     n = s.n_items if n_items is None else n_items
     sd = s.seed if seed is None else seed

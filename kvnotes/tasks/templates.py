@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -222,3 +222,22 @@ def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
 
         check_rules(name, suite.variant, suite.domains)
     return suite
+
+
+def configured_suite(
+    suite: str,
+    template_dirs: Sequence[str | Path] = (),
+    domains: Sequence[str] | None = None,
+    design: Mapping[str, Any] | None = None,
+) -> Suite:
+    """The suite file, narrowed to `domains` (None: all) and with `design` fields overridden."""
+    s = load_suite(suite, template_dirs)
+    if domains is not None:
+        known = {d.name: d for d in s.domains}
+        missing = [n for n in domains if n not in known]
+        if missing:
+            raise ValueError(f"suite {suite!r} has no domains {missing}; valid: {sorted(known)}")
+        s = replace(s, domains=tuple(known[n] for n in domains))
+    if design:
+        s = replace(s, design=replace(s.design, **dict(design)))
+    return s
