@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from kvnotes.cache import KVCache
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import Ids, as_ids, read_variants
+from kvnotes.run import Ids, additive_masks, as_ids, read_variants
 
 
 def _envoy(model: LoadedModel, module: nn.Module) -> Any:
@@ -181,23 +181,13 @@ def patch_heads_at_tail(
 def _hide_masks(model: LoadedModel, hidden: Bool[Tensor, "batch pos"]) -> Tensor | dict[str, Tensor]:
     """Additive 4D masks [batch, 1, q, k]: causal, sliding windows per layer type, and key k in
     `hidden[b]` invisible to every later query q > k (each position still sees itself)."""
-    B, n = hidden.shape
+    n = hidden.shape[1]
     dev = model.device
     q = torch.arange(n, device=dev)
     causal = q[None, :] <= q[:, None]  # [q, k]
     later = q[:, None] > q[None, :]  # [q, k]: strictly after the key
     allowed = causal[None] & ~(hidden.to(dev)[:, None, :] & later[None])  # [B, q, k]
-    out: dict[str, Tensor] = {}
-    for i, kind in enumerate(model.adapter.layer_types(model.hf)):
-        if kind in out:
-            continue
-        ok = allowed
-        window = model.adapter.sliding_window(model.hf, i)
-        if window:
-            ok = ok & ((q[:, None] - q[None, :]) < window)[None]
-        mask = torch.zeros(ok.shape, dtype=model.dtype, device=dev)
-        out[kind] = mask.masked_fill(~ok, torch.finfo(model.dtype).min)[:, None]  # [B, 1, q, k]
-    return next(iter(out.values())) if len(out) == 1 else out
+    return additive_masks(model, q, q, allowed)  # sliding windows per layer type, [B, 1, q, k]
 
 
 @torch.no_grad()

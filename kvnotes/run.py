@@ -244,10 +244,11 @@ def logits_of(model: LoadedModel, hidden: Tensor, vocab: Sequence[int]) -> Float
     return logits.float()
 
 
-def _additive_masks(
+def additive_masks(
     model: LoadedModel, q_pos: Tensor, k_pos: Tensor, allowed: Tensor
 ) -> Tensor | dict[str, Tensor]:
-    """4D additive masks [1, 1, q, k] from a boolean `allowed`, one per layer type.
+    """4D additive masks [batch, 1, q, k] from a boolean `allowed` ([q, k] gives batch 1, or
+    [batch, q, k]), one per layer type.
 
     Sliding-window layers also need |q - k| < window (by position, not cache index); models
     whose layers mix types take a {layer_type: mask} mapping, the others a single mask.
@@ -261,7 +262,8 @@ def _additive_masks(
         if window:
             ok = ok & ((q_pos[:, None] - k_pos[None, :]) < window)
         mask = torch.zeros(ok.shape, dtype=model.dtype, device=ok.device)
-        out[kind] = mask.masked_fill(~ok, torch.finfo(model.dtype).min)[None, None]
+        mask = mask.masked_fill(~ok, torch.finfo(model.dtype).min)
+        out[kind] = mask.reshape(-1, 1, *ok.shape[-2:])  # [batch or 1, 1, q, k]
     return next(iter(out.values())) if len(out) == 1 else out
 
 
@@ -311,7 +313,7 @@ def forward_at(
     see_cache = (j[None, :] < p[:, None]) & ~replaced[None, :]  # [k, n] the other, earlier positions
     see_new = p[None, :] <= p[:, None]  # [k, k] the forwarded tokens, causally
     allowed = torch.cat([see_cache, see_new], dim=1)  # keys: the n cached, then the k new
-    masks = _additive_masks(model, p, torch.cat([j, p]), allowed)
+    masks = additive_masks(model, p, torch.cat([j, p]), allowed)
     past = dynamic([slots_class()(kb, vb, n, k) for kb, vb in zip(keys, values)])
     out = _forward(model, x, past, p[None], mask=masks, logits_to_keep=logits_to_keep)
     for buf in (*keys, *values):
