@@ -29,6 +29,26 @@ def llama():
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_vocab():
+    """A tiny random llama (4 layers, d=64) over the real llama tokenizer's vocabulary: real
+    prompts, seconds per forward (skipped when the llama tokenizer is not fetched)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvnotes.models import load_tokenizer, wrap_model
+    from kvnotes.models.tiny import tiny_config
+
+    try:
+        tok = load_tokenizer("llama")
+    except WeightsError as e:
+        pytest.skip(str(e))
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return wrap_model(AutoModelForCausalLM.from_config(cfg), tokenizer=tok, name="tiny-llama")
+
+
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(0)

@@ -22,8 +22,8 @@ from kvnotes import blend
 from kvnotes import compose as kcompose
 from kvnotes import run as krun
 from kvnotes.blend import Layout, Method
-from kvnotes.models import WeightsError, load_tokenizer, wrap_model
-from kvnotes.models.tiny import tiny_config, tiny_model
+from kvnotes.models import wrap_model
+from kvnotes.models.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "locomo_mini.json"
@@ -45,19 +45,9 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def model():
-    """A tiny random llama over the real llama tokenizer's vocabulary."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        tok = load_tokenizer("llama")
-    except WeightsError as e:
-        pytest.skip(str(e))
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return wrap_model(AutoModelForCausalLM.from_config(cfg), tokenizer=tok, name="tiny-llama")
+def model(tiny_llama_vocab):
+    """A tiny random llama over the real llama tokenizer's vocabulary (conftest)."""
+    return tiny_llama_vocab
 
 
 def layout(tok, texts=("ab, cd.\nef gh\n", "ij kl;\nmn. op qr st\n", "uv wx\nyz")) -> Layout:

@@ -11,15 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
 import experiments.run as runner
 from experiments.config import ConfigError, validate
 from experiments.output import RecordWriter
 from kvnotes import locomo
-from kvnotes.models import WeightsError, load_tokenizer, wrap_model
-from kvnotes.models.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "locomo_mini.json"
@@ -42,19 +39,9 @@ def _one_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
-def model():
-    """A tiny random llama (4 layers, d=64) over the real llama tokenizer's vocabulary."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        tok = load_tokenizer("llama")
-    except WeightsError as e:
-        pytest.skip(str(e))
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return wrap_model(AutoModelForCausalLM.from_config(cfg), tokenizer=tok, name="tiny-llama")
+def model(tiny_llama_vocab):
+    """A tiny random llama over the real llama tokenizer's vocabulary (conftest)."""
+    return tiny_llama_vocab
 
 
 def context(tmp_path: Path, model, name: str, *overrides: str):
