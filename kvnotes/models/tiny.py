@@ -1,8 +1,9 @@
 """Tiny random models of every supported family, for exactness tests in seconds.
 
-Each config exercises its family's quirk: llama3 rope scaling (llama), YaRN attention_scaling
-(qwen3), q/k/v biases (qwen2), a sliding window shorter than the test sequences (mistral, gemma2,
-gemma3) and gemma3's per-layer-type rope bases.
+Each family's adapter builds its tiny config (`FamilyAdapter.tiny_config`, sizes `TINY_COMMON`),
+which exercises the family's quirk: llama3 rope scaling (llama), YaRN attention_scaling (qwen3),
+q/k/v biases (qwen2), a sliding window shorter than the test sequences (mistral, gemma2, gemma3)
+and gemma3's per-layer-type rope bases.
 """
 
 from __future__ import annotations
@@ -12,58 +13,17 @@ from typing import Any
 import torch
 
 from kvnotes.models.adapters import FAMILIES, adapter_for
+from kvnotes.models.adapters.base import TINY_COMMON
 from kvnotes.models.loading import LoadedModel, wrap_model
 
-_COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-)
+_COMMON = TINY_COMMON  # the sizes every family's tiny config shares (older imports)
 
 
 def tiny_config(family: str) -> Any:
-    from transformers import (
-        Gemma2Config,
-        Gemma3TextConfig,
-        LlamaConfig,
-        MistralConfig,
-        Qwen2Config,
-        Qwen3Config,
-    )
-
-    c = dict(_COMMON)
-    if family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
-        return LlamaConfig(**c, rope_parameters=rope)
-    if family == "qwen2":
-        return Qwen2Config(**c, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    if family == "qwen3":
-        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                "original_max_position_embeddings": 64}
-        return Qwen3Config(**c, rope_parameters=rope)
-    if family == "mistral":
-        return MistralConfig(**c, sliding_window=24)
-    if family == "gemma2":
-        return Gemma2Config(**c, sliding_window=24, query_pre_attn_scalar=16,
-                            layer_types=["sliding_attention", "full_attention"] * 2)
-    if family == "gemma3":
-        return Gemma3TextConfig(
-            **c, sliding_window=24, query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
-            },
-        )
-    raise KeyError(f"no tiny config for {family!r}; families: {', '.join(FAMILIES)}")
+    """The tiny random config of `family`, from its adapter (`FamilyAdapter.tiny_config`)."""
+    if family not in FAMILIES:
+        raise KeyError(f"no tiny config for {family!r}; families: {', '.join(FAMILIES)}")
+    return adapter_for(family).tiny_config()
 
 
 def tiny_tokenizer() -> Any:

@@ -13,6 +13,20 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+# Sizes every family's tiny random config shares (`tiny_config`, kvnotes.models.tiny): 4 layers,
+# d=64, grouped-query attention (4 query heads over 2 kv heads), a 256-id vocabulary.
+TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
 
 class FamilyAdapter:
     """Defaults fit the Llama layout (`model.model.layers[i].self_attn`, `model.model.rotary_emb`)."""
@@ -21,6 +35,10 @@ class FamilyAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     attn_implementation: ClassVar[str] = "sdpa"  # eager where the family needs it
     quirks: ClassVar[str] = ""
+
+    def tiny_config(self) -> Any:
+        """A tiny random config of this family (`TINY_COMMON` sizes) that exercises its quirk."""
+        raise NotImplementedError(f"no tiny config for family {self.family!r}")
 
     # --- module paths -------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:

@@ -1,6 +1,8 @@
 """Gemma 2: alternating sliding/global layers, attention logit soft-capping, so eager attention."""
 
-from kvnotes.models.adapters.base import FamilyAdapter
+from typing import Any
+
+from kvnotes.models.adapters.base import TINY_COMMON, FamilyAdapter
 
 
 class Gemma2Adapter(FamilyAdapter):
@@ -8,3 +10,10 @@ class Gemma2Adapter(FamilyAdapter):
     model_types = ("gemma2",)
     attn_implementation = "eager"  # sdpa cannot soft-cap attention logits
     quirks = "eager attention (softcap); embeddings scaled by sqrt(d); sliding layers"
+
+    def tiny_config(self) -> Any:
+        """Alternating sliding (window 24) and full layers."""
+        from transformers import Gemma2Config
+
+        return Gemma2Config(**TINY_COMMON, sliding_window=24, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention", "full_attention"] * 2)

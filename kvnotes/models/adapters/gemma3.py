@@ -4,9 +4,11 @@ The rotary module holds one set of frequencies per layer type, so the cos/sin of
 asked for with that layer's type: a local layer's keys are re-rotated with the local base.
 """
 
+from typing import Any
+
 from torch import Tensor, nn
 
-from kvnotes.models.adapters.base import FamilyAdapter
+from kvnotes.models.adapters.base import TINY_COMMON, FamilyAdapter
 
 
 class Gemma3Adapter(FamilyAdapter):
@@ -28,3 +30,16 @@ class Gemma3Adapter(FamilyAdapter):
     def _attention_scaling(self, model: nn.Module, layer: int) -> float:
         rot = self.rotary(model)
         return float(getattr(rot, f"{self._layer_type(model, layer)}_attention_scaling", 1.0))
+
+    def tiny_config(self) -> Any:
+        """Sliding (window 24) and full layers with per-layer-type rope bases (full: linear scaling)."""
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(
+            **TINY_COMMON, sliding_window=24, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        )

@@ -1,6 +1,8 @@
 """Mistral: Llama layout; v0.1 used a 4k sliding window on every layer, v0.3 none."""
 
-from kvnotes.models.adapters.base import FamilyAdapter
+from typing import Any
+
+from kvnotes.models.adapters.base import TINY_COMMON, FamilyAdapter
 
 
 class MistralAdapter(FamilyAdapter):
@@ -12,3 +14,9 @@ class MistralAdapter(FamilyAdapter):
         cfg = self.text_config(model)
         kind = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
         return [kind] * cfg.num_hidden_layers
+
+    def tiny_config(self) -> Any:
+        """A sliding window (24) shorter than the test sequences, on every layer."""
+        from transformers import MistralConfig
+
+        return MistralConfig(**TINY_COMMON, sliding_window=24)
