@@ -31,12 +31,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from kvnotes.cache import patch
+from kvnotes.models import FAMILIES
 from kvnotes.models.loading import LoadedModel
 from kvnotes.models.tiny import tiny_model
 from kvnotes.run import extend, prefill
 
 ATOL = 1e-4  # fp32
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 KVStore = dict[tuple[int, str], Float[Tensor, "batch pos kv_head d_head"]]
 
 
@@ -142,7 +142,7 @@ def random_ids(n: int, seed: int, vocab: int = 128) -> Int[Tensor, "1 pos"]:
 
 
 # --- tiny random models (fast) --------------------------------------------------------------------
-@pytest.fixture(scope="module", params=TINY_FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny_pair(request):
     model = tiny_model(request.param)
     attn_before = model.hf.config._attn_implementation

@@ -20,12 +20,11 @@ from tolerances import ATOL_FP32
 from torch import Tensor, nn
 
 from kvnotes.interp import patch_head_outputs, residual_stream
-from kvnotes.models import LoadedModel, wrap_model
+from kvnotes.models import FAMILIES, LoadedModel, wrap_model
 from kvnotes.models.tiny import tiny_model
 from kvnotes.run import full_logits, prefill
 
 ATOL = 1e-5  # the same kernels run either way; only grad mode differs
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 
 # --- helpers -------------------------------------------------------------------------------------
