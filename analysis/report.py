@@ -4,7 +4,7 @@ paper's value, a verdict in plain words, and the figure that shows it.
     python -m analysis.report [--results results/reference] [--figures results/figures] [--out results/REPORT.md]
 
 Our numbers are recomputed from records.parquet (means over items with 95 % bootstrap CIs,
-analysis.aggregate), never copied from summary.json; summary.json is only cross-checked. The
+analysis.claims), never copied from summary.json; summary.json is only cross-checked. The
 paper's numbers and our reading of each claim as a band come from paper_reference.yaml. Our
 models are not the paper's: a verdict says whether our CI overlaps the claim's band, not that
 the paper's model would behave like ours. A claim nothing measured stays absent, never zero.
@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,360 +23,11 @@ from typing import Any
 import pandas as pd
 
 from analysis import load
-from analysis.aggregate import (
-    CI_COLUMNS,
-    ci_table,
-    layer_accuracy,
-    mean_ci,
-    memory_view,
-    model_label,
-    quantile_ratio_ci,
-    reference,
-    serving_view,
-    to_float,
-    write_depth,
-)
-from analysis.load import job_params, select
-from kvnotes.margins import STEPS
+from analysis.aggregate import model_label, reference, to_float
+from analysis.claims import all_claims, band, verdict
+from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
 
-Extractor = Callable[[pd.DataFrame], pd.DataFrame]
-COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
-BF16_STEP = STEPS["bfloat16"]  # one bfloat16 step of a score (logit difference): 1/16 logit
-PROPORTIONS = frozenset({"correct", "reverted", "agree", "decision_agree", "top1_agree"})
-
-
-def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(rows, columns=list(COLUMNS))
-
-
-def _finish(t: pd.DataFrame, df: pd.DataFrame, note: str = "") -> pd.DataFrame:
-    """A ci_table by model plus the runs each model's number came from."""
-    runs = df.groupby("model")["run_id"].agg(lambda s: ", ".join(sorted(set(map(str, s)))))
-    t = t.assign(runs=t["model"].map(runs), note=note)
-    if "zero_eps" not in t:
-        t = t.assign(zero_eps=math.nan)
-    return t[t["n"] > 0][list(COLUMNS)].reset_index(drop=True)
-
-
-def zero_eps(df: pd.DataFrame, unit: Sequence[str] = ("run_id", "item_id")) -> pd.Series:
-    """Per model: one score step of the run's dtype (bfloat16 1/16 logit; an unknown dtype is
-    taken as bfloat16) in recovery units, step / |score_oracle - score_stale| per item, averaged
-    over items (NaN where the records carry no scores)."""
-    if df.empty or not {"score_oracle", "score_stale"} <= set(df.columns):
-        return pd.Series(dtype=float)
-    denom = (to_float(df["score_oracle"]) - to_float(df["score_stale"])).abs()
-    dtype = df["dtype"] if "dtype" in df else pd.Series(None, index=df.index)
-    step = dtype.map(lambda d: STEPS.get(str(d).removeprefix("torch."), BF16_STEP)).astype(float)
-    d = df.assign(_eps=step / denom.where(denom > 0))
-    per_item = d.groupby(["model", *[u for u in unit if u in d]], dropna=False)["_eps"].mean()
-    return per_item.groupby(level=0).mean()
-
-
-def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[str] = ("run_id", "item_id"),
-            usable: str | None = None, note: str = "", **eq: Any) -> Extractor:
-    """Mean of `value` over the rows of `job` (first task of `tasks` per model) where col == v."""
-    def f(frame: pd.DataFrame) -> pd.DataFrame:
-        df = select(frame, job, tasks)
-        for col, v in eq.items():
-            df = df[df[col] == v] if col in df else df.iloc[:0]
-        if usable is not None and len(df):
-            df = df[to_float(df[usable]) > 0]
-        if "cot" in df and eq.get("cot") is None:
-            df = df[~(to_float(df["cot"]) > 0)]
-        if df.empty or value not in df:
-            return _rows([])
-        t = ci_table(df, value, ["model"], unit, proportion=value in PROPORTIONS)
-        if value == "recovery":
-            t = t.assign(zero_eps=t["model"].map(zero_eps(df, unit)))
-        return _finish(t, df, note)
-    return f
-
-
-def _linear(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, float, tuple[float, float, float]]]:
-    out = []
-    df = select(frame, "linear", ["gated-polarity"])
-    for m, d in df.groupby("model"):
-        run = str(d["run_id"].iloc[0])
-        thr = float(job_params(frame, run).get("threshold", 0.9))
-        acc = layer_accuracy(d[(d["condition"] == "layer") & (d["run_id"] == run)])
-        out.append((str(m), d, thr, write_depth(acc, thr)))
-    return out
-
-
-def write_depth_claim(frame: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for m, d, thr, (w, w_lo, w_hi) in _linear(frame):
-        n = int(to_float(d.loc[d["condition"] == "layer", "n_prompts"]).max())
-        note = f"threshold {thr:g}; interval: layers whose Wilson CI first reaches it"
-        if math.isnan(w):
-            note = f"accuracy never reaches {thr:g}: no write depth"
-        rows.append({"model": m, "mean": w, "lo": w_lo, "hi": w_hi, "n": n, "runs": d["run_id"].iloc[0], "note": note})
-    return _rows(rows)
-
-
-def write_before_commit(frame: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for m, d, _, (w, w_lo, w_hi) in _linear(frame):
-        c = ci_table(d[d["condition"] == "prompt"], "rel_commit", ["model"], ("run_id", "item_id", "prompt"))
-        if c.empty or math.isnan(w):
-            continue
-        r = c.iloc[0]
-        rows.append({"model": m, "mean": r["mean"] - w, "lo": r["lo"] - (w_hi if not math.isnan(w_hi) else w),
-                     "hi": r["hi"] - (w_lo if not math.isnan(w_lo) else w), "n": r["n"], "runs": d["run_id"].iloc[0],
-                     "note": "interval combines the commit CI and the write-depth interval"})
-    return _rows(rows)
-
-
-def _compose_or_selfcheck(frame: pd.DataFrame, seam: int, value: str = "cosine") -> pd.DataFrame:
-    comp = frame[(frame["job"] == "compose")] if "job" in frame else frame.iloc[:0]
-    comp = comp[(comp["kind"] == "fidelity") & (comp["seam"] == seam)] if "kind" in comp else comp.iloc[:0]
-    prop = value in PROPORTIONS
-    out = [_finish(ci_table(comp, value, ["model"], proportion=prop), comp, "experiment compose")] if len(comp) else []
-    sc = frame[(frame["job"] == "selfcheck")] if "job" in frame else frame.iloc[:0]
-    sc = sc[(sc["seam"] == seam) & ~sc["model"].isin(set(comp["model"]))] if len(sc) and value in sc else sc.iloc[:0]
-    if len(sc):
-        out.append(_finish(ci_table(sc, value, ["model"], ("run_id", "block"), proportion=prop), sc,
-                           "selfcheck gate blocks (no compose run for this model)"))
-    return pd.concat(out, ignore_index=True) if out else _rows([])
-
-
-def seam_cosine(seam: int) -> Extractor:
-    return lambda frame: _compose_or_selfcheck(frame, seam)
-
-
-def seam_gain(frame: pd.DataFrame) -> pd.DataFrame:
-    comp = frame[(frame["job"] == "compose")] if "job" in frame else frame.iloc[:0]
-    comp = comp[comp["kind"] == "fidelity"] if "kind" in comp else comp.iloc[:0]
-    rows = []
-    for m, d in comp.groupby("model"):
-        p = d.pivot_table(index=["run_id", "item_id"], columns="seam", values="cosine", aggfunc="mean")
-        if 0 in p and 4 in p:
-            mean, lo, hi, n = mean_ci((p[4] - p[0]).to_numpy())
-            rows.append({"model": m, "mean": mean, "lo": lo, "hi": hi, "n": n,
-                         "runs": ", ".join(sorted(set(d["run_id"]))), "note": "paired per item"})
-    return _rows(rows)
-
-
-def compose_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
-    """Decision accuracy of composed prompts at K = 4, with the full prefill's own accuracy beside."""
-    out = _compose_or_selfcheck(frame, 4, "correct")
-    if out.empty:
-        return out
-    comp = frame[(frame["job"] == "compose") & (frame["kind"] == "fidelity") & (frame["seam"] == 4)]
-    for i, r in out.iterrows():
-        d = comp[comp["model"] == r["model"]]
-        full = ci_table(d, "correct_ref", ["model"])
-        agree = ci_table(d, "decision_agree", ["model"])
-        if len(full) and len(agree):
-            out.loc[i, "note"] = (f"{r['note']}; full prefill accuracy {full['mean'].iloc[0]:.3f}, decision "
-                                  f"agreement with it {agree['mean'].iloc[0]:.3f}")
-    return out
-
-
-def ttft_speedup(length: int) -> Extractor:
-    def f(frame: pd.DataFrame) -> pd.DataFrame:
-        from analysis.figures.ttft_scaling import headline_seam, speedups, timing
-
-        t = timing(frame)
-        rows = []
-        for m, d in t.groupby("model"):
-            near = [n for n in sorted(d["length"].unique()) if abs(n - length) <= 0.1 * length]
-            if not near:
-                continue
-            seam = headline_seam(frame, str(d["run_id"].iloc[0]), d)
-            sp = speedups(d[d["length"] == near[0]], seam)
-            r = sp[sp["path"] == "transplant"].iloc[0]
-            dev = d["device_record"].iloc[0] if "device_record" in d else d["device"].iloc[0]
-            rows.append({"model": m, "mean": r["mean"], "lo": r["lo"], "hi": r["hi"], "n": r["n"],
-                         "runs": d["run_id"].iloc[0],
-                         "note": f"{int(near[0])} tokens, seam {seam}, {dev}; n = repeats"})
-        return _rows(rows)
-    return f
-
-
-def _agent(value: str) -> Extractor:
-    def f(frame: pd.DataFrame) -> pd.DataFrame:
-        t = frame[frame["job"] == "agent"] if "job" in frame else frame.iloc[:0]
-        t = t[t["kind"] == "turn"] if "kind" in t else t.iloc[:0]
-        if t.empty:
-            return _rows([])
-        return _finish(ci_table(t, value, ["model"], ("run_id", "scenario"), proportion=value in PROPORTIONS), t,
-                       "n = scenarios (turns averaged)")
-    return f
-
-
-def _serving_hit(arm: str) -> Extractor:
-    def f(frame: pd.DataFrame) -> pd.DataFrame:
-        v, why = serving_view(frame)
-        v = v[v["arm"] == arm] if not why else v
-        if why or v.empty or v["hit"].isna().all():
-            return _rows([])
-        per_phase = v.drop_duplicates(["run_id", "phase_label"])
-        return _finish(ci_table(per_phase, "hit", ["model"], ("run_id", "phase_label")), per_phase,
-                       "n = phases (sequential, each rate); each a prefix-cache counter ratio")
-    return f
-
-
-def serving_p90(frame: pd.DataFrame) -> pd.DataFrame:
-    v, why = serving_view(frame)
-    rows: list[dict[str, Any]] = []
-    if why:
-        return _rows(rows)
-    for (m, phase), d in v.groupby(["model", "phase_label"]):
-        a, b = d[d["arm"] == "edit"], d[d["arm"] == "erratum"]
-        if len(a) and len(b):
-            mean, lo, hi, n = quantile_ratio_ci(a["ttft_ms"], b["ttft_ms"])
-            cens = [f"{arm} {int(x['censored'].sum())} of {len(x)}" for arm, x in (("edit", a), ("erratum", b))
-                    if x["censored"].any()]
-            note = f"{phase}; n = requests of the smaller arm"
-            if cens:
-                note += "; censored at the phase cap (TTFT lower bounds): " + ", ".join(cens)
-            rows.append({"model": m, "mean": mean, "lo": lo, "hi": hi, "n": n,
-                         "runs": ", ".join(sorted(set(d["run_id"]))), "note": note})
-    return _rows(rows)
-
-
-def _memory(value: str) -> Extractor:
-    def f(frame: pd.DataFrame) -> pd.DataFrame:
-        v, why = memory_view(frame)
-        if why:
-            return _rows([])
-        return _finish(ci_table(v, value, ["model"], ("run_id", "unit")), v, str(v["source"].iloc[0]))
-    return f
-
-
-EXTRACTORS: dict[str, Extractor] = {
-    "field_only_recovery": records("patching", ["gated"], "recovery", condition="field_only"),
-    "full_downstream_recovery": records("patching", ["gated"], "recovery", condition="full_downstream"),
-    "notes_only_recovery": records("patching", ["gated"], "recovery", condition="notes_only"),
-    "trigger_only_recovery": records("patching", ["gated-trigger"], "recovery", condition="field_only"),
-    "trigger_notes_recovery": records("patching", ["gated-trigger"], "recovery", condition="notes_only"),
-    "suffix_k20": records("suffix", ["gated"], "recovery", condition="suffix", k=20),
-    "prefix_k70": records("suffix", ["gated"], "recovery", condition="prefix", k=70),
-    "top8_recovery": records("suffix", ["gated"], "recovery", condition="topk", k=8),
-    "random8_recovery": records("suffix", ["gated"], "recovery", condition="randomk", k=8),
-    "write_depth": write_depth_claim,
-    "commit_depth": records("linear", ["gated-polarity"], "rel_commit", ("run_id", "item_id", "prompt"),
-                            note="n = prompts", condition="prompt"),
-    "write_before_commit": write_before_commit,
-    **{f"knockout_{b}": records("knockout", ["gated"], "reverted", condition="band", band=b)
-       for b in ("early", "mid", "late", "all")},
-    **{f"mass_{k}": records("knockout", ["gated"], f"mass_{k}", condition="mass")
-       for k in ("field", "downstream", "sink")},
-    "heads_top_recovery": records("knockout", ["gated"], "recovery", condition="heads",
-                                  ranking="attention", n_heads=12),
-    "heads_random_recovery": records("knockout", ["gated"], "recovery", condition="heads",
-                                     ranking="random", n_heads=12),
-    "causal_scrubbing_note": records("scrub", ["gated"], "recovery", condition="note", notes="aggregators"),
-    "causal_scrubbing_rest": records("scrub", ["gated"], "recovery", condition="rest", notes="aggregators"),
-    "split_facts_agreement_split": records("split", ["gated"], "agree", ("run_id", "item_id", "prompt"),
-                                           note="n = prompts", condition="split", seam=0),
-    "split_facts_agreement_single": records("split", ["gated"], "agree", ("run_id", "item_id", "prompt"),
-                                            note="n = prompts", condition="single", seam=0),
-    "erratum_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
-    "field_only_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="field_only"),
-    "field_only_cot_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct",
-                                        strategy="field_only+cot", cot=True),
-    "wording_bare": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_bare"),
-    "wording_tagged": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_tagged"),
-    "wording_explicit": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
-    "wording_reevaluate": records("wording", ["gated"], "correct", usable="usable_p_correct",
-                                  strategy="erratum_reevaluate"),
-    **{f"seam_cosine_k{k}": seam_cosine(k) for k in (0, 2, 4, 32)},
-    "seam_repair_gain": seam_gain,
-    "fidelity_cosine": seam_cosine(4),
-    "compose_accuracy": compose_accuracy,
-    **{f"ttft_speedup_{n}": ttft_speedup(n) for n in (500, 2000, 8000, 16000, 32000)},
-    "agent_agreement": _agent("agree"),
-    "agent_latency_ratio": _agent("latency_ratio"),
-    "memory_delta": _memory("delta"),
-    "memory_cosine": _memory("cosine"),
-    "serving_hit_rate_erratum": _serving_hit("erratum"),
-    "serving_hit_rate_inplace": _serving_hit("edit"),
-    "serving_p90_ratio": serving_p90,
-}
-
-
-def ours(frame: pd.DataFrame, claim: str) -> pd.DataFrame:
-    """Our value of `claim` per model (no rows: nothing measured it in these runs)."""
-    f = EXTRACTORS.get(claim)
-    if f is None or frame.empty or "job" not in frame:
-        return _rows([])
-    out = f(frame)
-    return out.assign(n=out["n"].astype(int)) if len(out) else out
-
-
-def all_claims(frame: pd.DataFrame, claims: Sequence[str]) -> pd.DataFrame:
-    """Long table: claim, model, mean, lo, hi, n, runs, note."""
-    parts = [ours(frame, c).assign(claim=c) for c in claims]
-    parts = [p for p in parts if len(p)]
-    if not parts:
-        return pd.DataFrame(columns=["claim", *COLUMNS])
-    return pd.concat(parts, ignore_index=True)[["claim", *COLUMNS]]
-
-
-
-
-# --- verdicts -----------------------------------------------------------------------------------
-
-
-def band(target: dict[str, Any] | None) -> tuple[float, float] | None:
-    """The claim as an interval: approx v +- tol, range [lo, hi], at_most, at_least."""
-    if not target:
-        return None
-    if "approx" in target:
-        v, tol = float(target["approx"]), float(target.get("tol", 0.0))
-        return (v - tol, v + tol)
-    if "range" in target:
-        lo, hi = target["range"]
-        return (float(lo), float(hi))
-    if "at_most" in target:
-        return (-math.inf, float(target["at_most"]))
-    if "at_least" in target:
-        return (float(target["at_least"]), math.inf)
-    raise ValueError(f"unknown target {target}")
-
-
-def describe(target: dict[str, Any] | None, digits: int = 3) -> str:
-    b = band(target)
-    if b is None:
-        return "no band (model-specific number, shown for reference)"
-    if math.isinf(b[0]):
-        return f"<= {fmt(b[1], digits)}"
-    if math.isinf(b[1]):
-        return f">= {fmt(b[0], digits)}"
-    return f"[{fmt(b[0], digits)}, {fmt(b[1], digits)}]"
-
-
-def verdict(target: dict[str, Any] | None, mean: float, lo: float, hi: float, n: int,
-            zero_eps: float | None = None) -> str:
-    """Plain words: consistent (CI inside the band) / overlaps (CI overlaps it) / differs (CI
-    outside it) / no data. `zero_eps`: one score step of the run's dtype (bfloat16: 1/16 logit)
-    in the value's units; a CI within it of 0 is read as zero (never as non-zero) before it is
-    compared with the band."""
-    if n == 0:
-        return "no data"
-    if not math.isfinite(mean):
-        return "differs: undefined for ours (see note)"
-    b = band(target)
-    if b is None:
-        return "for reference (no band)"
-    has_ci = math.isfinite(lo) and math.isfinite(hi)
-    lo_, hi_ = (lo, hi) if has_ci else (mean, mean)
-    caveat = "" if has_ci else " (n=1, no CI)"
-    if zero_eps is not None and math.isfinite(zero_eps) and has_ci and -zero_eps <= lo and hi <= zero_eps:
-        within = f"zero within one score step of its dtype (+-{zero_eps:.3g})"
-        return f"consistent: {within}" if b[0] <= 0.0 <= b[1] else f"differs: ours is {within}"
-    if hi_ < b[0]:
-        return f"differs: ours is lower{caveat}"
-    if lo_ > b[1]:
-        return f"differs: ours is higher{caveat}"
-    if has_ci and b[0] <= lo and hi <= b[1]:
-        return "consistent"
-    width = b[1] - b[0]
-    if has_ci and math.isfinite(width) and width > 0 and (hi - lo) > 4 * width:
-        return "overlaps: CI much wider than the band"
-    return f"overlaps{caveat}"
+# --- cells --------------------------------------------------------------------------------------
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -392,6 +42,17 @@ def fmt(x: Any, digits: int = 3) -> str:
     if abs(x) >= 10:
         return f"{x:.1f}"
     return f"{x:.{digits}f}"
+
+
+def describe(target: dict[str, Any] | None, digits: int = 3) -> str:
+    b = band(target)
+    if b is None:
+        return "no band (model-specific number, shown for reference)"
+    if math.isinf(b[0]):
+        return f"<= {fmt(b[1], digits)}"
+    if math.isinf(b[1]):
+        return f">= {fmt(b[0], digits)}"
+    return f"[{fmt(b[0], digits)}, {fmt(b[1], digits)}]"
 
 
 def paper_cell(values: dict[str, Any], model: str, digits: int = 3) -> str:
