@@ -363,7 +363,7 @@ def test_kvboost_worker_runs_as_it_ships(model, tmp_path):
 
 
 def test_figure_draws_every_method_and_states_the_frontier(blend_run, tmp_path):
-    from test_analysis import write_run
+    from run_folders import write_run
 
     from analysis import load
     from analysis.figures import Skip

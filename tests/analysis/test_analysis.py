@@ -15,15 +15,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
+from run_folders import N_ITEMS, write_run
 
-from analysis import aggregate, load, report
+from analysis import aggregate, claims, load, report
 from analysis.figures import FIGURES, Skip, build_all
 from analysis.figures import __main__ as figures_cli
 from kvnotes.metrics import bootstrap_ci
 
 RNG = np.random.default_rng(0)
-N_ITEMS = 5
 LAYERS = 6
 DOMAINS = ["refund", "access", "deploy"]
 
@@ -263,26 +262,6 @@ JOBS = {
 }
 
 
-def write_run(root: Path, job: str, model: str, stamp: str, rows: list[dict], *, kind: str = "probe",
-              task: str = "gated", status: str = "completed", margin: float | None = None,
-              params: dict | None = None) -> Path:
-    """A run folder as experiments.run writes it: config.yaml, meta.json, records, summary."""
-    path = root / job / model / stamp
-    path.mkdir(parents=True)
-    section = {"name": job, "margin": margin, **(params or {})}
-    cfg = {"model": {"name": model, "margin": 1.0}, "seed": 0, "task": {"name": task, "n_items": N_ITEMS},
-           "probe": section if kind == "probe" else None, "experiment": section if kind == "experiment" else None}
-    (path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    meta = {"kind": kind, "name": job, "model_name": model, "seed": 0, "device": "cpu", "status": status,
-            "git": {"commit": "0123456789abcdef", "dirty": False}, "start_time": stamp, "dtype": "float32",
-            "model": {"model": model, "hub_id": None, "weights_sha256": "ab" * 32}}
-    (path / "meta.json").write_text(json.dumps(meta))
-    frame = pd.DataFrame([{"unit": f"u{i}", **r} for i, r in enumerate(rows)])
-    frame.to_parquet(path / "records.parquet", index=False)
-    (path / "summary.json").write_text(json.dumps({"kind": kind, "name": job, "model": model}))
-    return path
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
@@ -380,16 +359,16 @@ def test_wilson_and_write_depth():
 
 def test_reference_holds_the_papers_numbers():
     ref = aggregate.reference()
-    claims = ref["claims"]
-    assert claims["field_only_recovery"]["values"]["llama-3.1-8b"] == -0.028
-    assert claims["write_depth"]["values"]["qwen3-8b"] == 0.39
-    assert claims["ttft_speedup_32000"]["values"]["qwen3-8b"] == 13.93
-    assert set(report.EXTRACTORS) <= set(claims)
-    for cid, c in claims.items():
+    paper = ref["claims"]
+    assert paper["field_only_recovery"]["values"]["llama-3.1-8b"] == -0.028
+    assert paper["write_depth"]["values"]["qwen3-8b"] == 0.39
+    assert paper["ttft_speedup_32000"]["values"]["qwen3-8b"] == 13.93
+    assert set(claims.EXTRACTORS) <= set(paper)
+    for cid, c in paper.items():
         assert c.get("figure") is None or c["figure"] in FIGURES, cid
-        report.band(c.get("target"))  # every target parses
+        claims.band(c.get("target"))  # every target parses
         if c.get("measured_by") is not None:
-            assert cid in report.EXTRACTORS, f"{cid} is measured by {c['measured_by']} but has no extractor"
+            assert cid in claims.EXTRACTORS, f"{cid} is measured by {c['measured_by']} but has no extractor"
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -516,48 +495,49 @@ def test_probe_depth_shows_both_labels_and_why_no_write_depth(frame, captured, t
 
 
 def test_claims_are_recomputed_from_records(frame):
-    fo = report.ours(frame, "field_only_recovery").set_index("model")
+    fo = claims.ours(frame, "field_only_recovery").set_index("model")
     recs = frame[(frame["job"] == "patching") & (frame["task"] == "gated") & (frame["condition"] == "field_only")]
     assert fo.loc["llama", "n"] == N_ITEMS - 1  # the skipped item is not a zero
     assert fo.loc["llama", "mean"] == pytest.approx(recs[recs["model"] == "llama"]["recovery"].mean())
-    trig = report.ours(frame, "trigger_only_recovery")
+    trig = claims.ours(frame, "trigger_only_recovery")
     assert list(trig["model"]) == ["llama"]  # only llama ran the trigger task
-    p_err = report.ours(frame, "erratum_p_correct").set_index("model")
+    p_err = claims.ours(frame, "erratum_p_correct").set_index("model")
     assert p_err.loc["qwen", "n"] == N_ITEMS - 1  # the item not usable for P(correct) is left out
-    assert report.ours(frame, "field_only_cot_p_correct")["mean"].eq(1.0).all()
-    assert report.ours(frame, "field_only_p_correct")["mean"].eq(0.0).all()  # CoT rows kept apart
-    sp = report.ours(frame, "ttft_speedup_500").set_index("model")
+    assert claims.ours(frame, "field_only_cot_p_correct")["mean"].eq(1.0).all()
+    assert claims.ours(frame, "field_only_p_correct")["mean"].eq(0.0).all()  # CoT rows kept apart
+    sp = claims.ours(frame, "ttft_speedup_500").set_index("model")
     assert sp.loc["llama", "mean"] > 1 and sp.loc["llama", "n"] == 3
-    assert report.ours(frame, "ttft_speedup_32000").empty  # no such length: absent, not zero
-    hit = report.ours(frame, "serving_hit_rate_erratum").set_index("model")
+    assert claims.ours(frame, "ttft_speedup_32000").empty  # no such length: absent, not zero
+    hit = claims.ours(frame, "serving_hit_rate_erratum").set_index("model")
     assert hit.loc["llama", "mean"] == pytest.approx(0.985) and hit.loc["llama", "n"] == 3  # phases
-    p90 = report.ours(frame, "serving_p90_ratio")
+    p90 = claims.ours(frame, "serving_p90_ratio")
     assert (p90["mean"] > 5).all() and p90["note"].str.contains("censored").any()
-    mem = report.ours(frame, "memory_delta").set_index("model")
+    mem = claims.ours(frame, "memory_delta").set_index("model")
     assert mem.loc["llama", "mean"] == pytest.approx(0.02) and "LoCoMo" in mem.loc["llama", "note"]
-    assert report.ours(frame, "causal_scrubbing_note").empty  # no scrub run here: no data, not zero
-    heads = report.ours(frame, "heads_top_recovery").set_index("model")
+    assert claims.ours(frame, "causal_scrubbing_note").empty  # no scrub run here: no data, not zero
+    heads = claims.ours(frame, "heads_top_recovery").set_index("model")
     assert heads.loc["llama", "mean"] == pytest.approx(0.6)  # attention ranking at k = 12 heads
-    assert report.ours(frame, "heads_random_recovery")["mean"].abs().lt(0.1).all()
+    assert claims.ours(frame, "heads_random_recovery")["mean"].abs().lt(0.1).all()
+    assert report.ours is claims.ours and report.all_claims is claims.all_claims  # notebooks call report.*
 
 
 def test_verdicts_are_plain_and_honest():
     approx0 = {"approx": 0.0, "tol": 0.1}
-    assert report.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"  # CI inside the band
-    assert report.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
-    assert report.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
-    assert report.verdict(approx0, 0.05, -0.05, 0.15, 10) == "overlaps"  # mean inside, CI not: not consistent
-    assert report.verdict(approx0, 0.15, 0.05, 0.25, 10) == "overlaps"
-    assert report.verdict(approx0, 0.0, -2, 2, 4) == "overlaps: CI much wider than the band"
+    assert claims.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"  # CI inside the band
+    assert claims.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
+    assert claims.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
+    assert claims.verdict(approx0, 0.05, -0.05, 0.15, 10) == "overlaps"  # mean inside, CI not: not consistent
+    assert claims.verdict(approx0, 0.15, 0.05, 0.25, 10) == "overlaps"
+    assert claims.verdict(approx0, 0.0, -2, 2, 4) == "overlaps: CI much wider than the band"
     # within one score step of the dtype (bf16: 1/16 logit) of zero: zero, never a non-zero effect
-    assert report.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10) == "consistent"
-    assert report.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10, zero_eps=0.05).startswith(
+    assert claims.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10) == "consistent"
+    assert claims.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10, zero_eps=0.05).startswith(
         "differs: ours is zero within one score step")
-    assert report.verdict(approx0, 0.03, 0.01, 0.04, 10, zero_eps=0.05).startswith("consistent: zero within")
-    assert report.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
-    assert report.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
-    assert report.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
-    assert "n=1" in report.verdict(approx0, 0.0, math.nan, math.nan, 1)
+    assert claims.verdict(approx0, 0.03, 0.01, 0.04, 10, zero_eps=0.05).startswith("consistent: zero within")
+    assert claims.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
+    assert claims.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
+    assert claims.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
+    assert "n=1" in claims.verdict(approx0, 0.0, math.nan, math.nan, 1)
 
 
 def test_report_writes_claims_figures_and_runs(results, frame, drawn):
@@ -585,7 +565,7 @@ def test_report_flags_development_runs(tmp_path):
 
 
 def test_library_never_imports_plotting():
-    root = Path(__file__).resolve().parent.parent / "kvnotes"
+    root = Path(__file__).resolve().parents[2] / "kvnotes"
     offenders = [str(p) for p in root.rglob("*.py")
                  if re.search(r"^\s*(import|from)\s+(matplotlib|analysis)\b", p.read_text(), re.M)]
     assert not offenders, f"plotting lives only in analysis/: {offenders}"

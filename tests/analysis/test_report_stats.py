@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import aggregate, load, reference, report
+from analysis import aggregate, claims, load, reference, report
 from kvnotes.metrics import bootstrap_ci
 from probes._common import ci_dict
 
@@ -33,7 +33,7 @@ def _frame(values: dict[str, list[float]], column: str, **cols) -> pd.DataFrame:
 
 def test_proportions_in_the_report_get_wilson_not_a_zero_width_bootstrap():
     f = _frame({"llama": [1.0] * 30}, "correct")
-    out = report.records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="erratum")(f)
+    out = claims.records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="erratum")(f)
     r = out.iloc[0]
     assert r["n"] == 30 and r["mean"] == 1.0 and r["hi"] == 1.0 and r["lo"] == pytest.approx(0.8865, abs=1e-4)
     t = aggregate.ci_table(f.assign(correct=[0.5] * 30), "correct", ["model"], proportion=True)
@@ -45,12 +45,12 @@ def test_recovery_within_one_bf16_step_of_zero_is_read_as_zero():
     f = pd.DataFrame({"model": "m", "run_id": "r", "item_id": [f"i{i}" for i in range(40)], "job": "patching",
                       "task": "gated", "condition": "field_only", "dtype": "bfloat16",
                       "recovery": rng.normal(0.06, 0.01, 40), "score_stale": 0.0, "score_oracle": 0.5})
-    out = report.records("patching", ["gated"], "recovery", condition="field_only")(f)
+    out = claims.records("patching", ["gated"], "recovery", condition="field_only")(f)
     eps = out["zero_eps"].iloc[0]
     assert eps == pytest.approx((1 / 16) / 0.5)  # one bf16 step over a 0.5-logit denominator: 0.125
-    v = report.verdict({"approx": 0.0, "tol": 0.1}, *out[["mean", "lo", "hi", "n"]].iloc[0], eps)
+    v = claims.verdict({"approx": 0.0, "tol": 0.1}, *out[["mean", "lo", "hi", "n"]].iloc[0], eps)
     assert v.startswith("consistent: zero within one score step")
-    fp32 = report.records("patching", ["gated"], "recovery", condition="field_only")(f.assign(dtype="float32"))
+    fp32 = claims.records("patching", ["gated"], "recovery", condition="field_only")(f.assign(dtype="float32"))
     assert fp32["zero_eps"].iloc[0] < 1e-5  # float32 resolves far below a bf16 step
 
 
