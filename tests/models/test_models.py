@@ -16,6 +16,7 @@ from kvnotes.models import (
     model_names,
     register,
 )
+from kvnotes.models.adapters.base import TINY_COMMON
 from kvnotes.models.registry import ModelSpec, WheelPart
 from kvnotes.models.tiny import tiny_config, tiny_model
 from kvnotes.models.weights import cache_dir, convert, converted_dir, gguf_path, prepare_tokenizer
@@ -39,10 +40,16 @@ def test_registry_refuses_duplicates():
 
 def test_every_family_has_an_adapter_and_a_tiny_model():
     for fam in FAMILIES:
-        assert adapter_for(fam).family == fam
-        assert tiny_config(fam).model_type.startswith(fam[:5])
+        adapter = adapter_for(fam)
+        assert adapter.family == fam
+        cfg = tiny_config(fam)  # built by the family's own adapter
+        assert cfg.model_type in adapter.model_types
+        assert cfg.to_dict() == adapter.tiny_config().to_dict()
+        assert all(getattr(cfg, k) == v for k, v in TINY_COMMON.items())  # the shared sizes
     with pytest.raises(KeyError, match="supported families"):
         adapter_for("gpt2")
+    with pytest.raises(KeyError, match="families: llama"):
+        tiny_config("gemma3_text")  # a model type, not a family
 
 
 def test_sliding_layers_are_reported():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnotes.models import WeightsError, integrity, load_model, registry
+from kvnotes.models import FAMILIES, WeightsError, integrity, load_model, registry
 from kvnotes.models.__main__ import main as models_cli
 from kvnotes.models.integrity import safetensors_header
 from kvnotes.models.registry import ModelSpec, WheelPart
@@ -36,7 +36,7 @@ from kvnotes.models.weights import (
     verify,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/models/ is two below)
 PIN = hashlib.sha256(b"a gguf").hexdigest()
 
 
@@ -243,7 +243,7 @@ def test_experiments_run_reports_damaged_weights_in_one_line(tmp_path):
 # --- any HF checkpoint by path -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_load_model_by_path(tmp_path, family):
     m = tiny_model(family, seed=2)
     m.hf.save_pretrained(tmp_path / "ckpt")
