@@ -157,7 +157,7 @@ class Timed:
 
 def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
     from kvnotes import run, tasks
-    from kvnotes.edit import Editor
+    from kvnotes.edit_strategies import Editor
     from kvnotes.patching import make_pair, patched_scores
 
     item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]

@@ -110,7 +110,7 @@ def _session_of(dia_id: str) -> int | None:
 def locomo_items(path: str, tok: Any, chat: bool, n: int, n_blocks: int, block_tokens: int,
                  seed: int) -> list[BlendItem]:
     """Up to n items, round-robin over the conversations with at least n_blocks sessions."""
-    from kvnotes import locomo
+    from kvnotes.tasks import locomo
     from kvnotes.tasks.tokens import encode, frame
 
     fr = frame(tok, chat)
@@ -142,7 +142,7 @@ def locomo_items(path: str, tok: Any, chat: bool, n: int, n_blocks: int, block_t
                 continue
             q = qs[k]
             rng = random.Random(f"blend-locomo:{seed}:{c}:{k}")
-            need = sorted({s for e in q.evidence if (s := _session_of(e)) is not None})
+            need = sorted({sid for e in q.evidence if (sid := _session_of(e)) is not None})
             rest = [s for s in blocks if s not in need]
             chosen = need + rng.sample(rest, n_blocks - len(need))
             rng.shuffle(chosen)

@@ -61,7 +61,7 @@ def main(job_path: str, out_dir: str) -> int:
             n_ctx = len(tok.encode(item["context_text"], add_special_tokens=True))
             n_ctx = n_ctx if ids[:n_ctx] == tok.encode(item["context_text"], add_special_tokens=True) else 0
             max_new = int(item["max_new_tokens"])
-            rows = []
+            rows: list[tuple[str, Any, float, dict[str, Any]]] = []
             base = next(iter(engines.values()))
             base.reset_cache()
             res, ttft = _timed(base, item["text"], GenerationMode.BASELINE, max_new)

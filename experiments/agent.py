@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from experiments.compose import GateConfig, ci, compare, gate_summary, run_gate, torch_threads
-from experiments.config import ConfigError
-from experiments.registry import register
+from experiments.compose import compare
+from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, prop_dict
+from kvnotes.timing import torch_threads
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
     from kvnotes.cache import KVCache
     from kvnotes.models import LoadedModel
     from kvnotes.tasks.agents import AgentScenario
@@ -79,7 +81,8 @@ def precompile(model: LoadedModel, sc: AgentScenario, store: Path) -> dict[str, 
 
 def scenario(model: LoadedModel, sc: AgentScenario, cfg: AgentConfig, store: Path) -> list[dict[str, Any]]:
     """One record per turn: composed incremental agent vs full recompute (in place / erratum)."""
-    from kvnotes import compose, run
+    from kvnotes import compose
+    from kvnotes import run as engine
     from kvnotes.store import load_block
     from kvnotes.tasks.agents import render
     from kvnotes.timing import timed
@@ -95,23 +98,23 @@ def scenario(model: LoadedModel, sc: AgentScenario, cfg: AgentConfig, store: Pat
             if cache is None:  # first turn: system head, transplanted skills, then the rest
                 first = min(p.segments[f"skill:{n}"][0] for n in sc.domains)
                 last = max(p.segments[f"skill:{n}"][1] for n in sc.domains)
-                head = run.prefill(model, list(p.ids[:first])).cache
+                head = engine.prefill(model, list(p.ids[:first])).cache
                 blocks = [load_block(files[n], model) for n in sc.domains]
                 ctx_cache = compose.transplant(model, head, blocks, cfg.seam)
-                step = run.extend(model, ctx_cache, list(p.ids[last:]))
+                step = engine.extend(model, ctx_cache, list(p.ids[last:]))
                 new_tokens = first + sum(min(cfg.seam, len(b)) for b in blocks) + len(p.ids) - last
             else:  # later turns: keep the cache, append what changed (answer, errata, request)
                 keep = common_prefix(prev, p.ids)
-                step = run.extend(model, cache.slice(0, keep), list(p.ids[keep:]))
+                step = engine.extend(model, cache.slice(0, keep), list(p.ids[keep:]))
                 new_tokens = len(p.ids) - keep
         composed_s = clock.seconds
         cache, prev = step.cache, p.ids
         logits = step.logits[0, -1]
         ref_p = render(sc, tok, t, "inplace")
         with timed(model.device) as clock:
-            ref = run.prefill(model, list(ref_p.ids)).logits[0, -1]
+            ref = engine.prefill(model, list(ref_p.ids)).logits[0, -1]
         full_s = clock.seconds
-        same = run.prefill(model, list(p.ids)).logits[0, -1]  # full recompute, erratum prompt
+        same = engine.prefill(model, list(p.ids)).logits[0, -1]  # full recompute, erratum prompt
         vs_ref = compare(logits, ref, p.decision_ids)
         vs_same = compare(logits, same, p.decision_ids)
         correct = p.decision_ids[p.outcomes.index(p.correct)]
@@ -141,13 +144,13 @@ def summarize(records: list[dict[str, Any]], cfg: AgentConfig) -> dict[str, Any]
 
     def stats(g: pd.DataFrame) -> dict[str, Any]:
         return {
-            "agreement": ci(g["agree"].astype(float), cfg.n_boot),
-            "agreement_erratum_prompt": ci(g["agree_erratum"].astype(float), cfg.n_boot),
-            "accuracy": ci(g["correct"].astype(float), cfg.n_boot),
-            "accuracy_full": ci(g["correct_full"].astype(float), cfg.n_boot),
-            "accuracy_full_erratum": ci(g["correct_full_erratum"].astype(float), cfg.n_boot),
-            "cosine_erratum_prompt": ci(g["cosine_erratum"], cfg.n_boot),
-            "latency_ratio": ci(g["latency_ratio"], cfg.n_boot),
+            "agreement": prop_dict(g["agree"].astype(float)),
+            "agreement_erratum_prompt": prop_dict(g["agree_erratum"].astype(float)),
+            "accuracy": prop_dict(g["correct"].astype(float)),
+            "accuracy_full": prop_dict(g["correct_full"].astype(float)),
+            "accuracy_full_erratum": prop_dict(g["correct_full_erratum"].astype(float)),
+            "cosine_erratum_prompt": ci_dict(g["cosine_erratum"], cfg.n_boot),
+            "latency_ratio": ci_dict(g["latency_ratio"], cfg.n_boot),
             "composed_s": float(g["composed_s"].median()), "full_s": float(g["full_s"].median()),
         }
 
@@ -158,8 +161,6 @@ def summarize(records: list[dict[str, Any]], cfg: AgentConfig) -> dict[str, Any]
     return out
 
 
-@register("experiment", "agent", AgentConfig, summarize=summarize,
-          help="multi-turn agent with transplanted skills and errata vs full recompute per turn")
 def run(ctx: Context) -> None:
     from kvnotes.tasks.agents import build_scenarios
 
@@ -173,3 +174,9 @@ def run(ctx: Context) -> None:
         run_gate(ctx, cfg.gate)
         for key in ctx.pending(list(units), desc="agent scenarios"):
             ctx.write(key, scenario(ctx.model, units[key], cfg, store))
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "agent"
+CONFIG = AgentConfig
+HELP = "multi-turn agent with transplanted skills and errata vs full recompute per turn"

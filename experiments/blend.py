@@ -21,51 +21,29 @@ whether a method is within 1 % of full-prefill task score at <= 15 % recompute. 
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-from experiments.compose import ci, torch_threads
-from experiments.config import ConfigError
-from experiments.registry import register
-from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree, wilson_ci
+from experiments._kvboost import KvboostConfig, kvboost_records, resolve
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, kl_divergence, logit_cosine, top1_agree, wilson_ci
+from kvnotes.timing import torch_threads
 
 if TYPE_CHECKING:
     from experiments._blend_workloads import BlendItem
-    from experiments.run import Context
+    from experiments._context import Context
     from kvnotes.models import LoadedModel
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("skills", "memory", "locomo")
 VERIFY = "verify"
 TARGET_BUDGET, TARGET_DROP = 0.15, 0.01  # within 1 % of full-prefill task score at <= 15 %
 BUDGET_TOL = 0.005  # a method is within a budget up to half a point (rounding to whole tokens)
-
-
-@dataclass
-class KvboostConfig:
-    """kvboost (PyPI, MIT) run as it ships, from the python of its own venv."""
-
-    enabled: bool = False
-    python: str = ".venv-kvboost/bin/python"  # relative: to the repository root
-    chunk_size: int = 64
-    overlap: int = 16  # its "selective" strategy: last R tokens before each seam
-    ratios: list[float] = field(default_factory=lambda: [0.15])  # its "cacheblend" strategy
-    timeout_s: int = 3600
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.overlap < 0 or not all(0 < r <= 1 for r in self.ratios):
-            raise ConfigError("kvboost: chunk_size >= 1, overlap >= 0 and ratios in (0, 1] are needed")
 
 
 @dataclass
@@ -120,11 +98,6 @@ class BlendConfig:
                 + [Method("notes", r, seam=s) for s in self.note_seams for r in self.budgets])
 
 
-def resolve(path: str) -> Path:
-    p = Path(path)
-    return p if p.is_absolute() else ROOT / p
-
-
 # --- one item ------------------------------------------------------------------------------------
 
 
@@ -157,22 +130,23 @@ def _score(model: LoadedModel, item: BlendItem, step: Any, max_new: int) -> dict
         return {"decision": dec, "task_score": float(dec == item.correct_id)}
     n = step.cache.seq_len
     ans = _answer(model, step.cache.slice(0, n - 1), item.layout.ids[-1], max_new)
-    from kvnotes import locomo
+    from kvnotes.tasks import locomo
 
     return {"decision": locomo.normalize(ans), "answer": ans, "task_score": locomo.f1(ans, item.gold)}
 
 
 def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[dict[str, Any]]:
     """One record per method (full prefill included) for one item."""
-    from kvnotes import blend, compose, run
+    from kvnotes import blend, compose
+    from kvnotes import run as engine
 
     lay = item.layout
-    full, full_s = _timed(lambda: run.prefill(model, lay.ids), cfg.timing_repeats)
+    full, full_s = _timed(lambda: engine.prefill(model, lay.ids), cfg.timing_repeats)
     ref = full.logits[0, -1]
     ref_score = _score(model, item, full, cfg.max_new_tokens)
-    head = run.prefill(model, list(lay.head)).cache if lay.head else None
+    head = engine.prefill(model, list(lay.head)).cache if lay.head else None
     blocks = [compose.prefill_block(model, list(b)) for b in lay.blocks]
-    run.extend(model, head, list(lay.tail))  # warm the kernels at the tail's shape
+    engine.extend(model, head, list(lay.tail))  # warm the kernels at the tail's shape
     common = {"kind": "blend", "workload": item.workload, "item_id": item.item_id,
               "domain": item.meta.get("domain", ""), "n_blocks": len(lay.blocks),
               "n_block_tokens": lay.n_block_tokens, "n_context": len(lay.context),
@@ -185,7 +159,7 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
     for m in cfg.methods():
         def go(m: Any = m) -> tuple[Any, Any]:
             built = blend.build(model, lay, head, blocks, m)
-            return built, run.extend(model, built.cache, list(lay.tail))
+            return built, engine.extend(model, built.cache, list(lay.tail))
         (built, step), dt = _timed(go, cfg.timing_repeats)
         logits = step.logits[0, -1]
         sc = _score(model, item, step, cfg.max_new_tokens)
@@ -202,96 +176,11 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
     return rows
 
 
-# --- kvboost, run as it ships --------------------------------------------------------------------
-
-
-def kvboost_configs(kb: KvboostConfig) -> dict[str, dict[str, Any]]:
-    return {f"selective@{kb.overlap}": {"strategy": "selective", "overlap": kb.overlap, "setting": kb.overlap},
-            **{f"cacheblend@{round(r * 100)}%": {"strategy": "cacheblend", "ratio": r, "setting": r}
-               for r in kb.ratios}}
-
-
-def kvboost_records(model: LoadedModel, items: list[BlendItem], cfg: BlendConfig) -> list[dict[str, Any]]:
-    """kvboost's selective and cacheblend strategies on the same prompts (its own venv)."""
-    kb = cfg.kvboost
-    py = resolve(kb.python)
-    if not py.exists():
-        raise RuntimeError(f"kvboost python {py} not found: python -m venv .venv-kvboost && "
-                           ".venv-kvboost/bin/pip install torch==2.13.0 kvboost")
-    tok = model.tokenizer
-    confs = kvboost_configs(kb)
-    job = {"model_path": model.source_path, "threads": torch.get_num_threads(), "chunk_size": kb.chunk_size,
-           "configs": [{"name": n, **c} for n, c in confs.items()], "items": [
-               {"key": f"i{j}", "text": tok.decode(it.layout.ids), "context_text": tok.decode(it.layout.context),
-                "max_new_tokens": 1 if it.gold is None else cfg.max_new_tokens} for j, it in enumerate(items)]}
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "job.json").write_text(json.dumps(job))
-        proc = subprocess.run([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
-                               f"{tmp}/out"], capture_output=True, text=True, timeout=kb.timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"kvboost worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        res = [json.loads(x) for x in (Path(tmp) / "out" / "results.jsonl").read_text().splitlines()]
-        logits = {(r["key"], r["config"]): torch.from_numpy(np.load(Path(tmp) / "out" / r["logits"])) for r in res}
-    return kvboost_rows(model, items, res, logits, confs)
-
-
-def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str, Any]],
-                 logits: dict[tuple[str, str], torch.Tensor], confs: dict[str, dict[str, Any]]
-                 ) -> list[dict[str, Any]]:
-    """Records of the worker's output, scored like ours. Its recompute fraction counts what it
-    ran through the model: uncached context tokens, plus every cached token when cacheblend ran
-    (its step 1 re-prefills them all; approximate, i.e. content-only, matches force it), else
-    `overlap` tokens per seam. cosine: against its own baseline (same tokens);
-    cosine_vs_ours: against kvnotes' full prefill of its tokens."""
-    from kvnotes import locomo, run
-
-    base = {r["key"]: r for r in res if r["config"] == "baseline"}
-    ours: dict[str, torch.Tensor] = {}
-    rows = []
-    for r in res:
-        if r["config"] == "baseline":
-            continue
-        it, b, conf = items[int(r["key"][1:])], base[r["key"]], confs[r["config"]]
-        x, ref = logits[(r["key"], r["config"])], logits[(r["key"], "baseline")]
-        if r["key"] not in ours:
-            ours[r["key"]] = run.prefill(model, r["ids"]).logits[0, -1].cpu()
-        ans = ""
-        if it.gold is None:
-            ids = list(it.decision_ids)
-            dec, dec_ref = ids[int(x[ids].argmax())], ids[int(ref[ids].argmax())]
-            score, score_ref = float(dec == it.correct_id), float(dec_ref == it.correct_id)
-        else:
-            ans, ans_ref = (str(t).strip().split("\n")[0].strip() for t in (r["output_text"], b["output_text"]))
-            dec, dec_ref = locomo.normalize(ans), locomo.normalize(ans_ref)
-            score, score_ref = locomo.f1(ans, it.gold), locomo.f1(ans_ref, it.gold)
-        n_ctx, cached = max(int(r["n_context"]), 1), int(r["cached_tokens"])
-        blended = conf["strategy"] == "cacheblend" or r["approximate_hits"] > 0
-        repair = cached if blended else min(cached, conf["overlap"] * max(r["warmed_chunks"] - 1, 0))
-        rows.append({
-            "kind": "blend", "workload": it.workload, "item_id": it.item_id, "domain": it.meta.get("domain", ""),
-            "method": "kvboost-" + conf["strategy"], "setting": float(conf["setting"]),
-            "name": "kvboost " + r["config"], "n_blocks": len(it.layout.blocks), "n_block_tokens": n_ctx,
-            "n_context": n_ctx, "n_tail": len(r["ids"]) - n_ctx, "recomputed": min(n_ctx, n_ctx - cached + repair),
-            "checked": 0, "cosine": float(logit_cosine(x, ref)), "top1_agree": bool(top1_agree(x, ref)),
-            "kl": float(kl_divergence(ref, x)), "decision_agree": str(dec) == str(dec_ref),
-            "task_score": score, "task_score_full": score_ref, "decision": str(dec), "decision_full": str(dec_ref),
-            "answer": ans, "time_s": r["ttft_s"], "time_full_s": b["ttft_s"], "ttft_ratio": r["ttft_s"] / b["ttft_s"],
-            "reported_ttft_ratio": r["reported_ttft_ms"] / b["reported_ttft_ms"],
-            "kv_reuse_ratio": r["kv_reuse_ratio"], "approximate_hits": r["approximate_hits"],
-            "cacheblend_forced": bool(conf["strategy"] != "cacheblend" and r["approximate_hits"] > 0),
-            "same_tokens": r["ids"] == list(it.layout.ids),
-            "cosine_vs_ours": float(logit_cosine(x, ours[r["key"]])),
-            "baseline_cosine_vs_ours": float(logit_cosine(ref, ours[r["key"]])),
-        })
-        rows[-1]["recompute_fraction"] = rows[-1]["recomputed"] / n_ctx
-    return rows
-
-
 # --- summary -------------------------------------------------------------------------------------
 
 
 def _prop(values: Any) -> dict[str, float | int]:
-    """A proportion with its Wilson interval, in the ci() layout."""
+    """A proportion with its Wilson interval, in the ci_dict() layout."""
     x = np.asarray(values, dtype=float)
     x = x[np.isfinite(x)]
     if not len(x):
@@ -302,16 +191,16 @@ def _prop(values: Any) -> dict[str, float | int]:
 
 def method_stats(g: pd.DataFrame, n_boot: int) -> dict[str, Any]:
     binary = bool(g["task_score"].dropna().isin([0.0, 1.0]).all())
-    task = _prop if binary else (lambda v: ci(v, n_boot))
+    task = _prop if binary else (lambda v: ci_dict(v, n_boot))
     return {
         "method": str(g["method"].iloc[0]), "setting": float(g["setting"].iloc[0]),
         "recompute_fraction": float(g["recompute_fraction"].mean()),
-        "cosine": ci(g["cosine"], n_boot), "kl": ci(g["kl"], n_boot),
+        "cosine": ci_dict(g["cosine"], n_boot), "kl": ci_dict(g["kl"], n_boot),
         "top1_agree": _prop(g["top1_agree"].astype(float)),
         "decision_agree": _prop(g["decision_agree"].astype(float)),
         "task_score": task(g["task_score"]), "task_score_full": task(g["task_score_full"]),
-        "task_delta": ci(np.asarray(g["task_score"], float) - np.asarray(g["task_score_full"], float), n_boot),
-        "ttft_ratio": ci(g["ttft_ratio"], n_boot),
+        "task_delta": ci_dict(np.asarray(g["task_score"], float) - np.asarray(g["task_score_full"], float), n_boot),
+        "ttft_ratio": ci_dict(g["ttft_ratio"], n_boot),
     }
 
 
@@ -319,15 +208,17 @@ def frontier(methods: dict[str, dict[str, Any]], budgets: list[float]) -> dict[s
     """Per budget: the method (full prefill excluded) with the best mean cosine and task score
     among those whose mean recompute fraction is within the budget (+ BUDGET_TOL; ties: the
     cheaper one)."""
+    def best(ok: dict[str, dict[str, Any]], metric: str) -> dict[str, Any] | None:
+        if not ok:
+            return None
+        name = max(ok, key=lambda n: (ok[n][metric]["mean"], -ok[n]["recompute_fraction"]))
+        return {"name": name, "value": ok[name][metric]["mean"],
+                "recompute_fraction": ok[name]["recompute_fraction"]}
+
     out: dict[str, Any] = {}
     for b in sorted(budgets):
         ok = {n: s for n, s in methods.items() if s["method"] != "full" and s["recompute_fraction"] <= b + BUDGET_TOL}
-        out[f"{b:g}"] = {
-            metric: (None if not ok else {
-                "name": (best := max(ok, key=lambda n, m=metric: (ok[n][m]["mean"], -ok[n]["recompute_fraction"]))),
-                "value": ok[best][metric]["mean"], "recompute_fraction": ok[best]["recompute_fraction"]})
-            for metric in ("cosine", "task_score")
-        }
+        out[f"{b:g}"] = {metric: best(ok, metric) for metric in ("cosine", "task_score")}
     return out
 
 
@@ -381,8 +272,6 @@ def build_items(ctx: Context, cfg: BlendConfig, workload: str) -> list[BlendItem
     return items
 
 
-@register("experiment", "blend", BlendConfig, summarize=summarize,
-          help="cache reuse head to head: naive, seam/LegoLink, CacheBlend, note-aware, kvboost")
 def run(ctx: Context) -> None:
     from kvnotes.verify import NoGoError, require_go
 
@@ -393,7 +282,7 @@ def run(ctx: Context) -> None:
             rep = require_go(ctx.model, force=cfg.force, n_probes=cfg.verify_probes)
         except NoGoError:
             rep = require_go(ctx.model, force=True)
-            if not ctx.writer.done(VERIFY):
+            if not ctx.done(VERIFY):
                 ctx.write(VERIFY, [verify_record(rep, False)])
             raise
         for key in ctx.pending([VERIFY], desc="verify"):
@@ -405,4 +294,10 @@ def run(ctx: Context) -> None:
                 ctx.write(key, item_records(ctx.model, units[key], cfg))
             if cfg.kvboost.enabled:
                 for key in ctx.pending([f"kvboost:{w}"], desc=f"kvboost {w}"):
-                    ctx.write(key, kvboost_records(ctx.model, items, cfg))
+                    ctx.write(key, kvboost_records(ctx.model, items, cfg.kvboost, cfg.max_new_tokens))
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "blend"
+CONFIG = BlendConfig
+HELP = "cache reuse head to head: naive, seam/LegoLink, CacheBlend, note-aware, kvboost"

@@ -15,8 +15,6 @@ A correctness gate (`compose.self_check` on probe blocks) runs first and is reco
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,104 +22,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.config import ConfigError
-from experiments.registry import register
-from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree
-from probes._common import ci_dict, prop_dict
+from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, kl_divergence, logit_cosine, prop_dict, top1_agree
+from kvnotes.timing import torch_threads
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
     from kvnotes.models import LoadedModel
     from kvnotes.tasks import TaskItem
 
 log = logging.getLogger(__name__)
 SEAMS = [0, 1, 2, 4, 8, 16, 32]
-GATE = "gate"  # unit key and `kind` of the correctness-gate records
-
-
-# --- the correctness gate, shared by the composition experiments ------------------------------
-
-
-@dataclass
-class GateConfig:
-    """Before trusting transplants: splice probe blocks, compare with a full recompute."""
-
-    n_blocks: int = 2
-    seams: list[int] = field(default_factory=lambda: [0, 4])
-    threshold: float = 0.9  # the gate passes when every seam's mean cosine is >= this
-    required: bool = True  # a failed gate stops the experiment (never a silent fallback)
-
-    def __post_init__(self) -> None:
-        if self.n_blocks < 1 or not self.seams or any(k < 0 for k in self.seams):
-            raise ConfigError("gate: n_blocks >= 1 and a non-empty list of seams >= 0 are needed")
-        if not -1.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"gate.threshold is a cosine in [-1, 1], got {self.threshold}")
-
-
-def run_gate(ctx: Context, gate: GateConfig) -> None:
-    """Write the gate unit (one record per probe block and seam) and enforce it if required."""
-    from experiments.selfcheck import QUESTION, encode, texts
-    from experiments.selfcheck import SelfcheckConfig as Probe
-    from kvnotes.compose import self_check
-
-    tok, model = ctx.model.tokenizer, ctx.model
-    dtype = str(model.dtype).removeprefix("torch.")
-    for key in ctx.pending([GATE], desc="gate"):
-        rows = []
-        for i in range(gate.n_blocks):
-            prefix, block = texts(i, ctx.cfg.seed, Probe())
-            b = encode(tok, block, special=False)
-            seams = sorted({min(k, len(b)) for k in gate.seams})
-            for r in self_check(model, encode(tok, prefix, True), b, encode(tok, QUESTION, False),
-                                seams):
-                rows.append({"kind": GATE, "block": i, "dtype": dtype, **r})
-        ctx.write(key, rows)
-    verdict = gate_summary(ctx.writer.read(), gate)
-    log.info("composition gate: %s", verdict)
-    if gate.required and not verdict["pass"]:
-        raise RuntimeError(
-            f"composition gate failed for {ctx.cfg.model.name}: {verdict}; transplants are not "
-            f"trusted on this model (set experiment.gate.required=false to record anyway)"
-        )
-
-
-def gate_summary(df: pd.DataFrame, gate: GateConfig) -> dict[str, Any]:
-    """Per seam mean cosine and top-1 agreement; exactness of K = L splicing; pass."""
-    from experiments.selfcheck import ATOL
-
-    g = df[df["kind"] == GATE] if "kind" in df.columns else df.iloc[:0]
-    if not len(g):
-        return {"pass": False, "n": 0}
-    seams = {str(int(k)): {"cosine": float(s["cosine"].mean()),
-                           "top1_agree": float(s["top1_agree"].astype(float).mean()), "n": len(s)}
-             for k, s in g.groupby("seam")}
-    exact = float(max(g["max_abs_diff_extend"].max(), g["max_abs_diff_splice_full"].max()))
-    atol = ATOL.get(str(g["dtype"].iloc[0]), 1e-3)
-    ok = exact <= atol and all(s["cosine"] >= gate.threshold for s in seams.values())
-    return {"pass": bool(ok), "threshold": gate.threshold, "max_abs_diff": exact, "atol": atol,
-            "seams": seams}
-
-
-@contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with `n` torch CPU threads (None: unchanged); 1 is steadier on a shared CPU."""
-    saved = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
-def ci(values: Any, n_boot: int) -> dict[str, float | int]:
-    """mean, ci_lo, ci_hi, n of the finite values (95 % percentile bootstrap), as every summary."""
-    return ci_dict(np.asarray(values, dtype=float).ravel().tolist(), n_boot=n_boot)
-
-
-def prop(values: Any) -> dict[str, Any]:
-    """A share of 0/1 outcomes (agreement, accuracy) with its 95 % Wilson interval and k of n."""
-    return prop_dict(np.asarray(values, dtype=float).ravel().tolist())
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, decision_ids: tuple[int, ...]) -> dict[str, Any]:
@@ -181,18 +93,19 @@ def fidelity(
     `floor` adds a row (kind "floor") whose seam covers every block: the same tokens recomputed
     in a different chunking, i.e. the numerical noise floor of the comparison in this dtype.
     """
-    from kvnotes import compose, run
+    from kvnotes import compose
+    from kvnotes import run as engine
 
     head, blocks, tail = split_item(item)
-    ref = run.prefill(model, list(item.old_ids)).logits[0, -1]  # [vocab]
-    prefix = run.prefill(model, head).cache if head else None
+    ref = engine.prefill(model, list(item.old_ids)).logits[0, -1]  # [vocab]
+    prefix = engine.prefill(model, head).cache if head else None
     blks = [compose.prefill_block(model, b) for _, b in blocks]
     lens = [len(b) for b in blks]
     rows = []
     runs = [("fidelity", k) for k in seams] + ([("floor", max(lens))] if floor else [])
     for kind, k in runs:
         cache = compose.transplant(model, prefix, blks, k)
-        logits = run.extend(model, cache, tail).logits[0, -1]
+        logits = engine.extend(model, cache, tail).logits[0, -1]
         rows.append({
             "kind": kind, "item_id": item.item_id, "domain": item.domain, "seam": int(k),
             **compare(logits, ref, item.decision_ids),
@@ -216,12 +129,12 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeConfig) -> dict[str, An
 
     def stats(g: pd.DataFrame) -> dict[str, Any]:
         return {
-            "cosine": ci(g["cosine"], cfg.n_boot),
-            "top1_agree": prop(g["top1_agree"].astype(float)),
-            "kl": ci(g["kl"], cfg.n_boot),
-            "decision_agree": prop(g["decision_agree"].astype(float)),
-            "accuracy": prop(g["correct"].astype(float)),
-            "accuracy_full": prop(g["correct_ref"].astype(float)),
+            "cosine": ci_dict(g["cosine"], cfg.n_boot),
+            "top1_agree": prop_dict(g["top1_agree"].astype(float)),
+            "kl": ci_dict(g["kl"], cfg.n_boot),
+            "decision_agree": prop_dict(g["decision_agree"].astype(float)),
+            "accuracy": prop_dict(g["correct"].astype(float)),
+            "accuracy_full": prop_dict(g["correct_ref"].astype(float)),
         }
 
     out["n_items"] = int(fid["item_id"].nunique())
@@ -239,8 +152,6 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeConfig) -> dict[str, An
     return out
 
 
-@register("experiment", "compose", ComposeConfig, summarize=summarize,
-          help="transplanted skills vs full recompute per seam K and skill domain (seam curve)")
 def run(ctx: Context) -> None:
     cfg: ComposeConfig = ctx.params
     with torch_threads(cfg.threads):
@@ -257,3 +168,9 @@ def fidelity_units(ctx: Context, cfg: ComposeConfig) -> None:
     units = {f"item-{it.item_id}": it for it in items}
     for key in ctx.pending(list(units), desc="compose items"):
         ctx.write(key, fidelity(ctx.model, units[key], sorted(set(cfg.seams)), cfg.noise_floor))
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "compose"
+CONFIG = ComposeConfig
+HELP = "transplanted skills vs full recompute per seam K and skill domain (seam curve)"

@@ -31,13 +31,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.compose import GateConfig, ci, gate_summary, run_gate, torch_threads
-from experiments.config import ConfigError
-from experiments.registry import register
-from kvnotes.metrics import logit_cosine
+from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, logit_cosine
+from kvnotes.timing import torch_threads
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
     from kvnotes.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,8 @@ def one_length(
     Repeat 0 runs the full prefill first; its cache, cut before the question, is the limit's
     already cached context (so the limit reads exactly the full recompute's K/V).
     """
-    from kvnotes import compose, run
+    from kvnotes import compose
+    from kvnotes import run as engine
     from kvnotes.store import block_path, load_block, save_block
     from kvnotes.timing import timed
 
@@ -148,15 +149,15 @@ def one_length(
     with timed(model.device) as clock:
         save_block(path, model, compose.prefill_block(model, block), name=f"{cfg.skill}-L{length}")
     precompile_s = clock.seconds
-    prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, common to all
+    prefix_cache = engine.prefill(model, prefix).cache  # the cached system prompt, common to all
     static = {"length": length, "prefix_len": len(prefix), "question_len": len(question),
               "store_mb": path.stat().st_size / 2**20, "precompile_s": precompile_s}
-    run.extend(model, prefix_cache, question)  # warm the kernels at this shape class
+    engine.extend(model, prefix_cache, question)  # warm the kernels at this shape class
     parts: dict[str, float] = {}
     state: dict[str, Any] = {}
 
     def full() -> torch.Tensor:
-        step = run.prefill(model, prefix + block + question)
+        step = engine.prefill(model, prefix + block + question)
         if "context" not in state:  # the limit's already cached context: prefix + skill
             state["context"] = step.cache.slice(0, len(prefix) + len(block))
         return step.logits[0, -1]
@@ -170,13 +171,13 @@ def one_length(
                 cache = compose.transplant(model, prefix_cache, blk, seam)
             parts["splice_s"] = clock.seconds
             with timed(model.device) as clock:
-                logits = run.extend(model, cache, question).logits[0, -1]
+                logits = engine.extend(model, cache, question).logits[0, -1]
             parts["question_s"] = clock.seconds
             return logits
         return go
 
     def limit() -> torch.Tensor:
-        return run.extend(model, state["context"], question).logits[0, -1]
+        return engine.extend(model, state["context"], question).logits[0, -1]
 
     paths: list[tuple[str, int | None, Callable[[], torch.Tensor]]] = [
         ("full", None, full), ("transplant", cfg.seam, transplant(cfg.seam)), ("limit", None, limit),
@@ -233,8 +234,8 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
             "limit_s": float(np.median(m)),
             "speedup": float(np.median(f) / np.median(x)),
             "limit_speedup": float(np.median(f) / np.median(m)),
-            "speedup_ci": ci(f[:n] / x[:n], cfg.n_boot),
-            "limit_speedup_ci": ci(f[:n] / m[:n], cfg.n_boot),
+            "speedup_ci": ci_dict(f[:n] / x[:n], cfg.n_boot),
+            "limit_speedup_ci": ci_dict(f[:n] / m[:n], cfg.n_boot),
             "speedup_min": float(f.min() / x.min()), "limit_speedup_min": float(f.min() / m.min()),
             "n_repeats": int(n),
             "transplant_parts_s": {k: float(tp[k].median()) for k in ("load_s", "splice_s", "question_s")},
@@ -259,8 +260,6 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
     return out
 
 
-@register("experiment", "compose_scaling", ComposeScalingConfig, summarize=summarize,
-          help="TTFT of full prefill vs transplant vs the limit (question only), per skill length")
 def run(ctx: Context) -> None:
     cfg: ComposeScalingConfig = ctx.params
     store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"
@@ -274,3 +273,9 @@ def run(ctx: Context) -> None:
             rows = one_length(ctx.model, cfg, units[key], store, chat, ctx.cfg.seed)
             ctx.write(key, [{**r, "threads": torch.get_num_threads(),
                              "device": str(ctx.model.device)} for r in rows])
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "compose_scaling"
+CONFIG = ComposeScalingConfig
+HELP = "TTFT of full prefill vs transplant vs the limit (question only), per skill length"

@@ -24,16 +24,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from experiments import budget
-from experiments.config import ConfigError
-from experiments.registry import register
-from kvnotes.metrics import wilson_ci
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, wilson_ci
+from kvnotes.models import budget
 from kvnotes.patching import make_pair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import ci_dict
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
+    from kvnotes.models import LoadedModel
     from kvnotes.patching import PatchPair
 
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
@@ -87,7 +86,7 @@ def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) ->
     }
 
 
-def measure(model: Any, item: TaskItem, margin: float, batch_size: int = 128) -> dict[str, Any]:
+def measure(model: LoadedModel, item: TaskItem, margin: float, batch_size: int = 128) -> dict[str, Any]:
     """Stale/oracle pair of one item and, when usable, its field-only / notes-only recoveries."""
     pair = make_pair(model, item)
     if not abs(pair.delta) >= margin:
@@ -133,7 +132,7 @@ def build_items(ctx: Context) -> list[TaskItem]:
     task = ctx.cfg.task
     if task is None:
         raise ConfigError("experiment distance needs a gated task suite: add task=<suite>")
-    kw = task.build_kwargs()  # a GatedTask (experiments.task_config), validated
+    kw = task.build_kwargs()  # a GatedTask (runner.task_config), validated
     kw.pop("length")  # every distance splits the filler its own way: params.length rules
     if kw["seed"] is None:  # the run's seed draws the suite unless the task pins one
         kw["seed"] = ctx.cfg.seed
@@ -151,11 +150,15 @@ def build_items(ctx: Context) -> list[TaskItem]:
     return items
 
 
-@register("experiment", "distance", DistanceConfig, summarize=summarize,
-          help="field-decision distance sweep: |delta|, usable share, field-only / notes-only recovery")
 def run(ctx: Context) -> None:
     params: DistanceConfig = ctx.params
     margin = float(ctx.cfg.model.margin if params.margin is None else params.margin)
     items = {f"item-{it.item_id}": it for it in build_items(ctx)}
     for key in ctx.pending(list(items), desc="distance items"):
         ctx.write(key, [measure(ctx.model, items[key], margin, params.batch_size)])
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "distance"
+CONFIG = DistanceConfig
+HELP = "field-decision distance sweep: |delta|, usable share, field-only / notes-only recovery"

@@ -1,4 +1,5 @@
-"""Experiments `edit`, `ksweep`, `wording`: the editable cache's cost/correctness frontier.
+"""Experiment `edit`: the editable cache's cost/correctness frontier (its driver also runs
+`ksweep` and `wording`, experiments/ksweep.py and wording.py).
 
 For every item the stale cache (old prompt) is prefilled once; each strategy then builds its
 edited state from it and reads the decision. Against the oracle (a clean prefill of the new
@@ -22,15 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from experiments.registry import register
-from kvnotes.edit import ERRATA, Editor, EditState
-from kvnotes.metrics import recovery
+from kvnotes.edit_strategies import ERRATA, Editor, EditState
+from kvnotes.metrics import ci_dict, prop_dict, range_dict, recovery
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide, outcome_logits
-from probes._common import ci_dict, prop_dict, range_dict
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
 
 STRATEGIES = ("stale", "field_only", "full_downstream", "selective_copy", "selective_recompute",
               "selective_recompute_att", "erratum", "field_erratum", "hoist", "cacheblend")
@@ -40,7 +39,7 @@ STRATEGIES = ("stale", "field_only", "full_downstream", "selective_copy", "selec
 class EditConfig:
     strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
     k: int = 8  # selective@K
-    wording: str = "explicit"  # erratum wording (see kvnotes.edit.ERRATA)
+    wording: str = "explicit"  # erratum wording (see kvnotes.edit_strategies.ERRATA)
     template: str | None = None  # custom erratum template with {field} and {value}
     cacheblend_fraction: float = 0.15
     check_layer: int = 1
@@ -58,32 +57,6 @@ class EditConfig:
             raise ValueError(f"wording {self.wording!r}; valid: {', '.join(ERRATA)}")
         if self.k < 0 or not 0 < self.cacheblend_fraction <= 1 or self.check_layer < 0:
             raise ValueError("k >= 0, 0 < cacheblend_fraction <= 1, check_layer >= 0")
-
-
-@dataclass
-class KSweepConfig:
-    ks: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16, 32, 64])
-    variants: list[str] = field(default_factory=lambda: ["copy", "recompute"])
-    rankings: list[str] = field(default_factory=lambda: ["effect", "attention"])
-    margin: float | None = None
-
-    def __post_init__(self) -> None:
-        if any(k < 0 for k in self.ks) or not set(self.variants) <= {"copy", "recompute"}:
-            raise ValueError("ks >= 0; variants among copy, recompute")
-        if not set(self.rankings) <= {"effect", "attention"}:
-            raise ValueError("rankings among effect, attention")
-
-
-@dataclass
-class WordingConfig:
-    wordings: list[str] = field(default_factory=lambda: list(ERRATA))
-    with_field: bool = False  # also apply the field-only edit under each erratum
-    margin: float | None = None
-
-    def __post_init__(self) -> None:
-        bad = [w for w in self.wordings if w not in ERRATA]
-        if bad:
-            raise ValueError(f"unknown wordings {bad}; valid: {', '.join(ERRATA)}")
 
 
 def _pick(item: TaskItem, logits: Any, cf: Any = None) -> str:
@@ -142,14 +115,12 @@ def _with_cot(item: TaskItem, ed: Editor, oracle: EditState, stale: EditState, s
     return [r | {"cot": True} for r in rows]
 
 
-def _drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[dict[str, Any]] | None]],
+def drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[dict[str, Any]] | None]],
            margin: float | None, cot: EditConfig | None = None) -> None:
     """Per item (a resumable unit): stale + oracle timed side by side, then the strategies."""
-    from experiments.run import load_items
-
     m = _margin(ctx, margin)
-    items = {f"item-{it.item_id}": it for it in load_items(ctx.model, ctx.cfg)}
-    for key in ctx.pending(list(items), desc=f"{ctx.job.name} items"):
+    items = {f"item-{it.item_id}": it for it in ctx.items()}
+    for key in ctx.pending(list(items), desc=f"{ctx.name} items"):
         item = items[key]
         ed = Editor(ctx.model, item)
         oracle, stale = ed.full_prefill(), ed.stale_state()
@@ -203,35 +174,16 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
     }
 
 
-@register("experiment", "edit", EditConfig, summarize=lambda rec, cfg: summarize_states(rec),
-          help="edit strategies: P(correct), recovery, recompute fraction, time vs full re-prefill")
-def run_edit(ctx: Context) -> None:
+def summarize(records: Sequence[Mapping[str, Any]], cfg: EditConfig) -> dict[str, Any]:
+    return summarize_states(records)
+
+
+def run(ctx: Context) -> None:
     cfg: EditConfig = ctx.params
-    _drive(ctx, lambda ed: (_edit_states(ed, cfg), None), cfg.margin, cfg)
+    drive(ctx, lambda ed: (_edit_states(ed, cfg), None), cfg.margin, cfg)
 
 
-def _ksweep_states(ed: Editor, cfg: KSweepConfig) -> tuple[list[EditState], list[dict[str, Any]]]:
-    ranks = {"effect": ed.rank_by_effect() if "effect" in cfg.rankings else [],
-             "attention": ed.rank_by_attention() if "attention" in cfg.rankings else []}
-    states, extra = [], []
-    for rk in cfg.rankings:
-        for var in cfg.variants:
-            for k in cfg.ks:
-                states.append(ed.selective(ranks[rk][:k], var, f"{var}/{rk}"))
-                extra.append({"k": k, "variant": var, "ranking": rk})
-    return states, extra
-
-
-@register("experiment", "ksweep", KSweepConfig,
-          summarize=lambda rec, cfg: summarize_states([r for r in rec if r["strategy"] not in ("stale", "oracle")], ("strategy", "k")),
-          help="selective@K sweep: field + K note positions, copy vs recompute, by effect vs attention")
-def run_ksweep(ctx: Context) -> None:
-    cfg: KSweepConfig = ctx.params
-    _drive(ctx, lambda ed: _ksweep_states(ed, cfg), cfg.margin)
-
-
-@register("experiment", "wording", WordingConfig, summarize=lambda rec, cfg: summarize_states(rec),
-          help="erratum wording ablation: bare, tagged, explicit override, disregard-and-re-evaluate")
-def run_wording(ctx: Context) -> None:
-    cfg: WordingConfig = ctx.params
-    _drive(ctx, lambda ed: ([ed.erratum(w, with_field=cfg.with_field) for w in cfg.wordings], None), cfg.margin)
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "edit"
+CONFIG = EditConfig
+HELP = "edit strategies: P(correct), recovery, recompute fraction, time vs full re-prefill"

@@ -27,15 +27,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from experiments.compose import GateConfig, ci, compare, gate_summary, run_gate, torch_threads
-from experiments.config import ConfigError
-from experiments.registry import register
+from experiments.compose import compare
+from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from kvnotes.errors import ConfigError
+from kvnotes.metrics import ci_dict, prop_dict
+from kvnotes.timing import torch_threads
 
 if TYPE_CHECKING:
-    from experiments.run import Context
-    from kvnotes.locomo import Conversation
+    from experiments._context import Context
     from kvnotes.models import LoadedModel
     from kvnotes.tasks import TaskItem
+    from kvnotes.tasks.locomo import Conversation
 
 LOCOMO_INTRO = "You are a personal assistant. Answer from the conversation memory below.\n\n"
 LOCOMO_TASK = "Answer in a few words."
@@ -72,7 +74,8 @@ def erratum_text(field_name: str, value: str) -> str:
 
 def synthetic(model: LoadedModel, item: TaskItem, seam: int) -> list[dict[str, Any]]:
     """One record per condition of a memory item (see the module docstring)."""
-    from kvnotes import compose, run
+    from kvnotes import compose
+    from kvnotes import run as engine
     from kvnotes.tasks.tokens import encode
 
     s, e = item.segments["memory"]
@@ -83,15 +86,15 @@ def synthetic(model: LoadedModel, item: TaskItem, seam: int) -> list[dict[str, A
     err = encode(model.tokenizer, erratum_text(item.field_name, item.new_value))
 
     def last(ids: list[int]) -> Any:  # last-position logits of a clean prefill, [vocab]
-        return run.prefill(model, ids).logits[0, -1]
+        return engine.prefill(model, ids).logits[0, -1]
 
     full_old, full_new, full_err = last(old), last(new), last(head + old[s:e] + err + tail)
-    prefix = run.prefill(model, head).cache
+    prefix = engine.prefill(model, head).cache
     stale = compose.transplant(model, prefix, compose.prefill_block(model, old[s:e]), seam)
     edited = compose.transplant(model, prefix, compose.prefill_block(model, new[s:e]), seam)
-    tp_old = run.extend(model, stale, tail).logits[0, -1]
-    tp_err = run.extend(model, stale, err + tail).logits[0, -1]
-    tp_edit = run.extend(model, edited, tail).logits[0, -1]
+    tp_old = engine.extend(model, stale, tail).logits[0, -1]
+    tp_err = engine.extend(model, stale, err + tail).logits[0, -1]
+    tp_edit = engine.extend(model, edited, tail).logits[0, -1]
     want = {"old": item.correct_old, "new": item.correct_new}
     n_mem, n_tail = e - s, len(tail)
     conditions = [  # (condition, logits, reference name, reference logits, expected, recomputed)
@@ -119,7 +122,9 @@ def locomo_conversation(
     model: LoadedModel, conv: Conversation, cfg: MemoryConfig, chat: bool
 ) -> list[dict[str, Any]]:
     """LoCoMo QA on one conversation: transplanted vs fully recomputed memory, greedy answers."""
-    from kvnotes import compose, locomo, run
+    from kvnotes import compose
+    from kvnotes import run as engine
+    from kvnotes.tasks import locomo
     from kvnotes.tasks.tokens import encode, frame
 
     tok = model.tokenizer
@@ -132,10 +137,10 @@ def locomo_conversation(
         return []
     prefix_ids = encode(tok, fr.head + LOCOMO_INTRO)
     block = [i for p in mem.pieces for i in encode(tok, p)]
-    prefix = run.prefill(model, prefix_ids).cache
-    full_ctx = run.extend(model, prefix, block).cache  # the full recompute of the context
+    prefix = engine.prefill(model, prefix_ids).cache
+    full_ctx = engine.extend(model, prefix, block).cache  # the full recompute of the context
     tp_ctx = compose.transplant(model, prefix, compose.prefill_block(model, block), cfg.seam)
-    stops = set(getattr(tok, "all_special_ids", []) or [])
+    stops = sorted(set(getattr(tok, "all_special_ids", []) or []))
     rows = []
     for j, q in enumerate(qs):
         tail = encode(tok, fr.mid + f"Question: {q.question}\n{LOCOMO_TASK}" + fr.tail + "Answer:")
@@ -167,11 +172,11 @@ def summarize(records: list[dict[str, Any]], cfg: MemoryConfig) -> dict[str, Any
         out["n_items"] = int(syn["item_id"].nunique())
         out["synthetic"] = {
             f"{c} vs {r}": {
-                "decision_agree": ci(g["decision_agree"].astype(float), cfg.n_boot),
-                "cosine": ci(g["cosine"], cfg.n_boot),
-                "kl": ci(g["kl"], cfg.n_boot),
-                "accuracy": ci(g["correct"].astype(float), cfg.n_boot),
-                "accuracy_ref": ci(g["correct_ref"].astype(float), cfg.n_boot),
+                "decision_agree": prop_dict(g["decision_agree"].astype(float)),
+                "cosine": ci_dict(g["cosine"], cfg.n_boot),
+                "kl": ci_dict(g["kl"], cfg.n_boot),
+                "accuracy": prop_dict(g["correct"].astype(float)),
+                "accuracy_ref": prop_dict(g["correct_ref"].astype(float)),
                 "recompute_fraction": float((g["recomputed"] / g["n_tokens"]).mean()),
             }
             for (c, r), g in syn.groupby(["condition", "reference"], sort=False)
@@ -180,18 +185,16 @@ def summarize(records: list[dict[str, Any]], cfg: MemoryConfig) -> dict[str, Any
         out["locomo"] = {
             "n_questions": len(lo), "n_conversations": int(lo["conversation"].nunique()),
             "memory_len_mean": float(lo["memory_len"].mean()),
-            "answer_agree": ci(lo["answer_agree"].astype(float), cfg.n_boot),
-            "f1_full": ci(lo["f1_full"], cfg.n_boot),
-            "f1_transplant": ci(lo["f1_transplant"], cfg.n_boot),
-            "f1_delta": ci(np.asarray(lo["f1_transplant"]) - np.asarray(lo["f1_full"]), cfg.n_boot),
-            "cosine": ci(lo["cosine"], cfg.n_boot),
-            "top1_agree": ci(lo["top1_agree"].astype(float), cfg.n_boot),
+            "answer_agree": prop_dict(lo["answer_agree"].astype(float)),
+            "f1_full": ci_dict(lo["f1_full"], cfg.n_boot),
+            "f1_transplant": ci_dict(lo["f1_transplant"], cfg.n_boot),
+            "f1_delta": ci_dict(np.asarray(lo["f1_transplant"]) - np.asarray(lo["f1_full"]), cfg.n_boot),
+            "cosine": ci_dict(lo["cosine"], cfg.n_boot),
+            "top1_agree": prop_dict(lo["top1_agree"].astype(float)),
         }
     return out
 
 
-@register("experiment", "memory", MemoryConfig, summarize=summarize,
-          help="user memory edited by erratum and transplanted vs full recompute; LoCoMo QA")
 def run(ctx: Context) -> None:
     cfg: MemoryConfig = ctx.params
     with torch_threads(cfg.threads):
@@ -200,8 +203,7 @@ def run(ctx: Context) -> None:
 
 
 def run_units(ctx: Context, cfg: MemoryConfig) -> None:
-    from kvnotes import locomo
-    from kvnotes.tasks import build_suite
+    from kvnotes.tasks import build_suite, locomo
 
     chat = ctx.chat
     if cfg.n_items:
@@ -215,3 +217,9 @@ def run_units(ctx: Context, cfg: MemoryConfig) -> None:
         by_key = {f"locomo-{c.sample_id or i}": c for i, c in enumerate(convs)}
         for key in ctx.pending(list(by_key), desc="locomo conversations"):
             ctx.write(key, locomo_conversation(ctx.model, by_key[key], cfg, chat))
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "memory"
+CONFIG = MemoryConfig
+HELP = "user memory edited by erratum and transplanted vs full recompute; LoCoMo QA"

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from experiments.config import ConfigError
-from experiments.registry import register
-from kvnotes import serving
-from kvnotes.edit import ERRATA, erratum_text
+from experiments import _vllm_client as client
+from experiments import _vllm_server as server
+from kvnotes.edit_strategies import ERRATA, erratum_text
+from kvnotes.errors import ConfigError
 from kvnotes.tasks.item import TaskItem
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ class ServingConfig:
     suite: str = "gated"
     item_index: int = 0  # which item of the suite is the live context
     length: int = 8000  # prompt tokens of the context (2k-8k; hit rate grows with it)
-    wording: str = "explicit"  # erratum wording (kvnotes.edit.ERRATA)
+    wording: str = "explicit"  # erratum wording (kvnotes.edit_strategies.ERRATA)
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     max_tokens: int = 4
     n_sequential: int = 4  # per variant, one at a time
@@ -107,7 +107,7 @@ def drop_line(text: str, key: str) -> str:
 
 
 def request_at(text: str) -> int:
-    """Character offset of the request line (where the erratum goes, as in kvnotes.edit)."""
+    """Character offset of the request line (where the erratum goes, as in kvnotes.edit_strategies)."""
     at = text.rfind("\n" + REQUEST)
     if at < 0:
         raise ValueError(f"no '{REQUEST}' line in the prompt")
@@ -179,10 +179,10 @@ def request_id(phase: int, i: int) -> str:
 
 
 def _request(url: str, name: str, prompt: str, cfg: ServingConfig, max_tokens: int | None = None
-             ) -> serving.StreamingRequest:
+             ) -> client.StreamingRequest:
     body = {"model": name, "prompt": prompt, "max_tokens": max_tokens or cfg.max_tokens,
             "temperature": 0.0}
-    return serving.StreamingRequest(url, body, timeout=cfg.request_timeout_s)
+    return client.StreamingRequest(url, body, timeout=cfg.request_timeout_s)
 
 
 def _phase(url: str, name: str, prompts: Prompts, cfg: ServingConfig, variant: str, k: int,
@@ -191,7 +191,7 @@ def _phase(url: str, name: str, prompts: Prompts, cfg: ServingConfig, variant: s
     warm = _request(url, name, prompts.warm(variant), cfg, max_tokens=1).run()
     if warm.status != "ok":
         raise RuntimeError(f"warm-up request failed: {warm.error}")
-    before = serving.wait_idle(url)
+    before = client.wait_idle(url)
     texts = {i: prompts.build(variant, which_of(i), request_id(k, i))
              for i in range(cfg.n_sequential if rate is None else cfg.n_poisson)}
     t0 = time.monotonic()
@@ -199,13 +199,13 @@ def _phase(url: str, name: str, prompts: Prompts, cfg: ServingConfig, variant: s
         sent = []
         for i, text in texts.items():
             at = time.monotonic() - t0
-            sent.append(serving.Sent(i, at, _request(url, name, text, cfg).run()))
+            sent.append(client.Sent(i, at, _request(url, name, text, cfg).run()))
         wall = time.monotonic() - t0
     else:
-        arrivals = serving.poisson_arrivals(rate, len(texts), seed)
-        sent, wall = serving.run_load(lambda i: _request(url, name, texts[i], cfg), arrivals,
+        arrivals = client.poisson_arrivals(rate, len(texts), seed)
+        sent, wall = client.run_load(lambda i: _request(url, name, texts[i], cfg), arrivals,
                                       cfg.max_phase_s)
-    counts = serving.wait_idle(url, timeout=cfg.request_timeout_s) - before
+    counts = client.wait_idle(url, timeout=cfg.request_timeout_s) - before
     phase = {"phase": "sequential" if rate is None else "poisson",
              "rate": math.nan if rate is None else rate, "variant": variant, "wall_s": wall,
              "n_planned": len(texts), **{f"phase_{key}": v for key, v in counts.items()}}
@@ -227,7 +227,7 @@ def _phase(url: str, name: str, prompts: Prompts, cfg: ServingConfig, variant: s
     return rows
 
 
-def _server_spec(ctx: Context, cfg: ServingConfig) -> serving.ServerSpec:
+def _server_spec(ctx: Context, cfg: ServingConfig) -> server.ServerSpec:
     python = Path(cfg.python)
     python = python if python.is_absolute() else ROOT / python
     if not python.exists():
@@ -235,15 +235,13 @@ def _server_spec(ctx: Context, cfg: ServingConfig) -> serving.ServerSpec:
                           "with `bash scripts/serving_env.sh`, or give experiment.url")
     if not ctx.model.source_path:
         raise ValueError(f"model {ctx.model.name} has no HF folder to serve")
-    return serving.ServerSpec(
+    return server.ServerSpec(
         python=str(python), model_path=str(ctx.model.source_path), served_name=ctx.model.name,
         max_model_len=cfg.max_model_len, block_size=cfg.block_size, dtype=cfg.dtype,
         kv_cache_gib=cfg.kv_cache_gib, cpu_bind=cfg.cpu_bind, enforce_eager=cfg.enforce_eager,
         extra_args=list(cfg.extra_args))
 
 
-@register("experiment", "serving", ServingConfig, summarize=lambda rec, cfg: summarize(rec, cfg),
-          help="vLLM prefix cache: erratum vs in-prefix edit, TTFT, hit rate, decisions")
 def run(ctx: Context) -> None:
     from kvnotes import tasks
 
@@ -255,11 +253,11 @@ def run(ctx: Context) -> None:
     phases: list[float | None] = [None, *cfg.rates] if cfg.n_sequential else list(cfg.rates)
     units = {f"{'seq' if r is None else f'rate{r:g}'}-{v}": (k, r, v)
              for k, r in enumerate(phases) for v in cfg.variants}
-    todo = [key for key in units if not ctx.writer.done(key)]
+    todo = [key for key in units if not ctx.done(key)]
     if not todo:
         return
     with _server(ctx, cfg) as (url, startup_s):
-        name = serving.served_models(url)[0]
+        name = client.served_models(url)[0]
         for key in ctx.pending(list(units), desc="serving phases"):
             k, rate, variant = units[key]
             log.info("phase %s", key)
@@ -274,13 +272,13 @@ class _server:
 
     def __init__(self, ctx: Context, cfg: ServingConfig) -> None:
         self.ctx, self.cfg = ctx, cfg
-        self.server: serving.Server | None = None
+        self.server: server.Server | None = None
 
     def __enter__(self) -> tuple[str, float]:
         if self.cfg.url:
             return self.cfg.url.rstrip("/"), math.nan
         spec = _server_spec(self.ctx, self.cfg)
-        self.server = serving.Server(spec, self.ctx.run_dir / "server.log", self.cfg.startup_timeout_s)
+        self.server = server.Server(spec, self.ctx.run_dir / "server.log", self.cfg.startup_timeout_s)
         log.info("starting vLLM on %s (log %s)", self.server.url, self.server.log_path)
         self.server.__enter__()
         log.info("vLLM ready in %.0f s", self.server.startup_s)
@@ -299,7 +297,7 @@ def _q(values: Sequence[float], q: float) -> float:
     return float(np.percentile(v, q)) if v.size else math.nan
 
 
-def _stats(rows: list[Mapping[str, Any]], edit: list[Mapping[str, Any]]) -> dict[str, Any]:
+def _stats(rows: Sequence[Mapping[str, Any]], edit: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ok = [r for r in rows if r["status"] == "ok"]
     lower = [float(r["ttft_lower_s"]) for r in rows]
     ends = [float(r["end_s"]) for r in ok]
@@ -338,7 +336,7 @@ def summarize(records: list[dict[str, Any]], cfg: ServingConfig) -> dict[str, An
         label = "sequential" if r["phase"] == "sequential" else f"{float(r['rate']):g}"
         phases.setdefault(label, {}).setdefault(r["variant"], []).append(r)
     results: dict[str, dict[str, Any]] = {}
-    ratios: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
     for label, by_v in phases.items():
         edit = by_v.get("edit", [])
         for v, rs in by_v.items():
@@ -393,3 +391,9 @@ def table(results: Mapping[str, Mapping[str, Mapping[str, Any]]],
                 out.append(f"edit/{v} at {lab}: p50 {r['p50_ratio']:.1f}x, p90 {r['p90_ratio']:.1f}x, "
                            f"p99 {r['p99_ratio']:.1f}x; throughput {v}/edit {r['throughput_ratio']:.1f}x")
     return out
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "serving"
+CONFIG = ServingConfig
+HELP = "vLLM prefix cache: erratum vs in-prefix edit, TTFT, hit rate, decisions"

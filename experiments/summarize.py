@@ -1,53 +1,9 @@
-"""Recompute summary.json of finished runs from their records with the current summary code.
+"""`python -m experiments.summarize RUN_DIR [...]`: rebuild summary.json from a run's records
+(runner/summarize.py, also `python -m runner.summarize`)."""
 
-    python -m experiments.summarize RUN_DIR [RUN_DIR ...]
-
-Records are what was measured; a summary is derived from them. When a job's summary gains a
-metric (or a bug in one is fixed), this rewrites summary.json from records.parquet and the run's
-own config.yaml without re-running a model. The original finish time is kept and the rewrite is
-stamped `resummarized`.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-import pandas as pd
-from omegaconf import OmegaConf
-
-from experiments.config import ConfigError, validate
-from experiments.output import now_iso, read_json, summary_table, write_json
-from experiments.run import build_summary, discover
-
-
-def resummarize(run_dir: Path) -> dict:
-    run_dir = Path(run_dir)
-    for f in ("config.yaml", "records.parquet"):
-        if not (run_dir / f).is_file():
-            raise ConfigError(f"{run_dir}: no {f}; only a finished run can be summarised again")
-    discover()
-    job = validate(OmegaConf.load(run_dir / "config.yaml"))
-    old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
-    summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
-    summary |= {"finished": old.get("finished"), "resummarized": now_iso()}
-    write_json(run_dir / "summary.json", summary)
-    return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path)
-    a = p.parse_args(argv)
-    for run in a.runs:
-        try:
-            print(summary_table(resummarize(run)))
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return 0
-
+from runner.summarize import main
 
 if __name__ == "__main__":
     sys.exit(main())

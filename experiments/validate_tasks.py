@@ -15,13 +15,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from experiments.output import write_json
-from experiments.registry import register
 from kvnotes.tasks import summarize as summarize_records
 from kvnotes.tasks.validate import record, usable_ids
 
 if TYPE_CHECKING:
-    from experiments.run import Context
+    from experiments._context import Context
 
 USABLE_IDS = "usable_ids.json"
 
@@ -57,15 +55,12 @@ def summarize(records: list[dict[str, Any]], cfg: ValidateTasksConfig) -> dict[s
     return out
 
 
-@register("experiment", "validate_tasks", ValidateTasksConfig, summarize=summarize,
-          help="accuracy, flip rate and |score delta| per domain; writes the usable item ids")
 def run(ctx: Context) -> None:
-    from experiments.run import load_items
     from kvnotes.tasks.scoring import decision_logits, score_item
 
     params: ValidateTasksConfig = ctx.params
     margin = ctx.cfg.model.margin if params.margin is None else params.margin
-    items = load_items(ctx.model, ctx.cfg)
+    items = ctx.items()
     by_key = {f"item-{it.item_id}": it for it in items}
     if len(by_key) != len(items):
         raise ValueError("task items have duplicate ids")
@@ -73,8 +68,8 @@ def run(ctx: Context) -> None:
         it = by_key[key]
         rec = record(it, score_item(it, decision_logits(ctx.model, it)), margin)
         ctx.write(key, [rec])
-    rows = [_clean(r) for r in ctx.writer.read().to_dict("records")]
-    write_json(ctx.run_dir / USABLE_IDS, {"model": ctx.cfg.model.name, **usable_ids(rows)})
+    rows = [_clean(r) for r in ctx.read().to_dict("records")]
+    ctx.write_json(USABLE_IDS, {"model": ctx.cfg.model.name, **usable_ids(rows)})
 
 
 def _suite_of(run_dir: Any) -> str:
@@ -111,3 +106,9 @@ if __name__ == "__main__":
     import sys
 
     print(markdown_table(sys.argv[1:]))
+
+
+# The job convention (runner/jobs.py): the runner finds this experiment by these names.
+NAME = "validate_tasks"
+CONFIG = ValidateTasksConfig
+HELP = "accuracy, flip rate and |score delta| per domain; writes the usable item ids"

@@ -12,7 +12,7 @@ a recompute writes its K/V into place without a second copy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +61,7 @@ class KVCache:
         return self.seq_len
 
     # --- transformers interop ---------------------------------------------------------------
-    def to_dynamic(self):  # -> transformers.DynamicCache
+    def to_dynamic(self) -> Any:  # transformers.DynamicCache
         """A fresh `DynamicCache` of full layers over these tensors, without copying them.
 
         A forward pass *rebinds* each layer's keys to `torch.cat([old, new])`, a new tensor, so
@@ -72,7 +72,7 @@ class KVCache:
         from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache()
-        layers = []
+        layers: list[Any] = []
         for k, v in zip(self.keys, self.values, strict=True):
             layer = DynamicLayer()
             layer.lazy_initialization(k, v)
@@ -82,7 +82,7 @@ class KVCache:
         return cache
 
     @classmethod
-    def from_dynamic(cls, cache) -> KVCache:  # cache: transformers.Cache
+    def from_dynamic(cls, cache: Any) -> KVCache:  # cache: transformers.Cache
         layers = cache.layers
         if any(getattr(layer, "is_sliding", False) for layer in layers):
             raise ValueError(
@@ -92,7 +92,7 @@ class KVCache:
         return cls(tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers))
 
     # --- value operations -------------------------------------------------------------------
-    def map(self, fn) -> KVCache:  # fn: Tensor -> Tensor applied to every K and V
+    def map(self, fn: Callable[[Tensor], Tensor]) -> KVCache:  # applied to every K and V
         return KVCache(tuple(fn(k) for k in self.keys), tuple(fn(v) for v in self.values))
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVCache:
@@ -204,7 +204,7 @@ def slots_class() -> Any:
     """`Slots`, a transformers DynamicLayer subclass (built on first use: no import at load)."""
     from transformers.cache_utils import DynamicLayer
 
-    class Slots(DynamicLayer):  # type: ignore[misc]
+    class Slots(DynamicLayer):
         """A full-attention layer over [batch, kv_head, capacity, d_head] buffers.
 
         `update` writes the new K/V into the slots after the `filled` ones and returns the filled

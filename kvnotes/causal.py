@@ -69,10 +69,10 @@ def _additive(mask: Tensor, dtype: torch.dtype, g: int) -> Tensor:
 def _memo(kwargs: dict[str, Any], key: tuple[Any, ...], build: Any) -> Tensor:
     memo = kwargs.get(MEMO)
     if memo is None:
-        return build()  # type: ignore[no-any-return]
+        return build()
     if key not in memo:
         memo[key] = build()
-    return memo[key]  # type: ignore[no-any-return]
+    return memo[key]
 
 
 def causal_attention(

@@ -26,7 +26,7 @@ import torch
 
 from kvnotes.cache import KVCache
 from kvnotes.compose import Block, transplant
-from kvnotes.edit import ERRATA
+from kvnotes.edit_strategies import ERRATA
 from kvnotes.models.loading import LoadedModel
 from kvnotes.run import extend, prefill, read_variants, recompute
 

@@ -14,7 +14,8 @@ zero-width (30/30 gives [0.886, 1]) and keeps inside [0, 1].
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,6 +158,41 @@ def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:
     lo = 0.0 if k == 0 else max(0.0, centre - half)  # exact ends (rounding gives 1 - 1e-16)
     hi = 1.0 if k == n else min(1.0, centre + half)
     return (float(p), float(lo), float(hi))
+
+
+
+def _floats(values: Iterable[float | bool] | ArrayLike) -> np.ndarray:
+    """Any array-like or iterable of numbers as one flat float64 array."""
+    if hasattr(values, "__array__"):  # numpy, pandas, torch
+        return np.asarray(values, dtype=np.float64).ravel()
+    return np.asarray(list(values), dtype=np.float64).ravel()  # type: ignore[arg-type]  # lists, views, generators
+
+
+def ci_dict(values: Iterable[float] | ArrayLike, n_boot: int = 2000,
+            units: Sequence[object] | None = None) -> dict[str, float | int]:
+    """Mean, 95 % percentile-bootstrap CI (bootstrap_ci) and n of the finite values, the layout
+    of every summary; with `units`, rows are averaged per unit first."""
+    mean, lo, hi, n = bootstrap_ci(_floats(values), n_boot=n_boot, units=units)
+    return {"mean": mean, "ci_lo": lo, "ci_hi": hi, "n": n}
+
+
+def prop_dict(outcomes: Iterable[float | bool] | ArrayLike, units: Sequence[object] | None = None) -> dict[str, Any]:
+    """A proportion of 0/1 outcomes with its 95 % Wilson interval (never zero-width), k and n."""
+    p, lo, hi, n = proportion_ci(_floats(outcomes), units=units)
+    return {"mean": p, "ci_lo": lo, "ci_hi": hi, "n": n, "k": int(round(p * n)) if n else 0,
+            "interval": "wilson"}
+
+
+def range_dict(values: Iterable[float] | ArrayLike) -> dict[str, Any]:
+    """Timings: mean, median, min and max of the finite values, called a min-max range (one timing
+    per item is no sample to bootstrap a 95 % interval from)."""
+    x = _floats(values)
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return {"mean": float("nan"), "median": float("nan"), "min": float("nan"), "max": float("nan"),
+                "n": 0, "interval": "min-max"}
+    return {"mean": float(x.mean()), "median": float(np.median(x)), "min": float(x.min()),
+            "max": float(x.max()), "n": int(x.size), "interval": "min-max"}
 
 
 def _cpu(v: object) -> object:

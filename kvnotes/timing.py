@@ -209,3 +209,15 @@ def check_fits(model: Any, tokens: int, caches: int = 3, headroom: float = 0.9) 
     if need > headroom * have:
         raise MemoryBudgetError(f"{line}: does not fit; use fewer tokens, a smaller dtype or a larger device")
     return line
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with `n` torch CPU threads (None: unchanged); 1 is steadier on a shared CPU."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

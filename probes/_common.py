@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvnotes import margins
-from kvnotes.metrics import bootstrap_ci, proportion_ci
+from kvnotes.metrics import ci_dict
+from kvnotes.models import LoadedModel
 from kvnotes.patching import PatchPair, make_pair
 from kvnotes.tasks.item import TaskItem
 
@@ -41,7 +40,7 @@ def skip_reason(pair: PatchPair, margin: float) -> str | None:
 
 
 def run_pairs(
-    model: Any,
+    model: LoadedModel,
     items: Iterable[TaskItem],
     margin: float | None,
     records_of: Callable[[PatchPair, float], list[dict[str, Any]]],
@@ -58,16 +57,15 @@ def run_pairs(
     return [r if "margin_rule" in r else r | {"margin_rule": rule} for r in records]
 
 
-def margin_rule(model: Any, margin: float | None) -> str:
+def margin_rule(model: LoadedModel, margin: float | None) -> str:
     """Where the margin came from, in words: the probe's own setting, or the model's (derived
     by the rule of kvnotes.margins, or set by hand)."""
     if margin is not None:
         return f"set by the probe config (probe.margin={float(margin):g})"
-    spec = getattr(model, "spec", None)
-    if spec is None:
+    if model.spec is None:
         return "the default 1.0 (model without a spec)"
-    dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
-    return margins.describe(spec.name, dtype, float(spec.margin))
+    dtype = str(model.dtype).removeprefix("torch.")
+    return margins.describe(model.spec.name, dtype, float(model.spec.margin))
 
 
 def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any]:
@@ -81,38 +79,11 @@ def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any
     }
 
 
-def ci_dict(values: Iterable[float], n_boot: int = 2000,
-            units: Sequence[object] | None = None) -> dict[str, float | int]:
-    """Mean, 95 % percentile-bootstrap CI and n; with `units`, rows averaged per unit first."""
-    mean, lo, hi, n = bootstrap_ci(np.asarray(list(values), dtype=np.float64), n_boot=n_boot, units=units)
-    return {"mean": mean, "ci_lo": lo, "ci_hi": hi, "n": n}
-
-
-def prop_dict(outcomes: Iterable[float | bool], units: Sequence[object] | None = None) -> dict[str, Any]:
-    """A proportion of 0/1 outcomes with its 95 % Wilson interval (never zero-width), k and n."""
-    p, lo, hi, n = proportion_ci(np.asarray([float(v) for v in outcomes], dtype=np.float64), units=units)
-    return {"mean": p, "ci_lo": lo, "ci_hi": hi, "n": n, "k": int(round(p * n)) if n else 0,
-            "interval": "wilson"}
-
-
-def range_dict(values: Iterable[float]) -> dict[str, Any]:
-    """Timings: mean, median, min and max of the finite values, called a min-max range (one timing
-    per item is no sample to bootstrap a 95 % interval from)."""
-    x = np.asarray([float(v) for v in values], dtype=np.float64)
-    x = x[np.isfinite(x)]
-    if not x.size:
-        return {"mean": float("nan"), "median": float("nan"), "min": float("nan"), "max": float("nan"),
-                "n": 0, "interval": "min-max"}
-    return {"mean": float(x.mean()), "median": float(np.median(x)), "min": float(x.min()),
-            "max": float(x.max()), "n": int(x.size), "interval": "min-max"}
-
-
-def resolve_margin(model: Any, margin: float | None) -> float:
+def resolve_margin(model: LoadedModel, margin: float | None) -> float:
     """The probe's margin, else the model registry's (the run config passes model.margin in)."""
     if margin is not None:
         return float(margin)
-    spec = getattr(model, "spec", None)
-    return float(spec.margin) if spec is not None else 1.0
+    return float(model.spec.margin) if model.spec is not None else 1.0
 
 
 def skip_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

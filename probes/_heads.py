@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from kvnotes import interp
+from kvnotes.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, recoveries, scores_from_logits
-from probes._common import ci_dict
 from probes._readouts import per_item
 
 RANKINGS = ("attention", "effect")

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.metrics import wilson_ci
-from probes._common import ci_dict
+from kvnotes.metrics import ci_dict, wilson_ci
 
 REVERTED = (0.5, 1.5)  # a reversion in this band counts as "reverted"; above it: overshoot
 

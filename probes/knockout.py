@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.registry import register
 from kvnotes import interp
-from kvnotes.metrics import recovery
+from kvnotes.metrics import ci_dict, recovery
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, scores_from_logits
 from kvnotes.run import read_variants
 from kvnotes.tasks.item import TaskItem
-from probes._common import ci_dict, item_fields, run_pairs, skip_summary
+from probes._common import item_fields, run_pairs, skip_summary
 from probes._heads import RANKINGS, head_records, summarize_heads
 from probes._readouts import (
     REVERTED,
@@ -281,5 +280,7 @@ def reading(out: Mapping[str, Any], present: Sequence[str], top_fraction: float)
             f"{who} (rule: reverts_rule)")
 
 
-register("probe", "knockout", KnockoutConfig, summarize=summarize,
-         help="circuit knockout: signed reversion vs matched random keys, two mask variants; read-head curves")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "knockout"
+CONFIG = KnockoutConfig
+HELP = "circuit knockout: signed reversion vs matched random keys, two mask variants; read-head curves"

@@ -23,12 +23,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from experiments.registry import register
 from kvnotes import interp
-from kvnotes.metrics import wilson_ci
+from kvnotes.metrics import ci_dict, wilson_ci
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
-from probes._common import ci_dict
 from probes._readouts import proportion
 from probes.suffix import segment_of
 
@@ -289,5 +287,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: LinearConfig) -> dict[s
     return out
 
 
-register("probe", "linear", LinearConfig, summarize=summarize,
-         help="linear probing of the conclusion (truth and model labels) by layer and aggregator: write and commit depth")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "linear"
+CONFIG = LinearConfig
+HELP = "linear probing of the conclusion (truth and model labels) by layer and aggregator: write and commit depth"

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from experiments.registry import register
+from kvnotes.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import ci_dict, item_fields, run_pairs, skip_summary
+from probes._common import item_fields, run_pairs, skip_summary
 from probes._readouts import paired_difference, per_item
 from probes.knockout import attention_to_cache
 
@@ -111,5 +111,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: ScrubConfig) -> dict[st
     return out
 
 
-register("probe", "scrub", ScrubConfig, summarize=summarize,
-         help="causal scrubbing of the note hypothesis: note positions alone vs everything else")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "scrub"
+CONFIG = ScrubConfig
+HELP = "causal scrubbing of the note hypothesis: note positions alone vs everything else"

@@ -20,15 +20,14 @@ from typing import Any
 
 import torch
 
-from experiments.registry import register
 from kvnotes.cache import KVCache
 from kvnotes.compose import Block, prefill_block, splice
-from kvnotes.metrics import logit_cosine
+from kvnotes.metrics import ci_dict, logit_cosine
 from kvnotes.models.loading import LoadedModel
 from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide
-from probes._common import ci_dict, item_fields
+from probes._common import item_fields
 from probes._readouts import proportion
 
 MODES = ("single", "split")
@@ -142,5 +141,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: SplitConfig) -> dict[st
     return out
 
 
-register("probe", "split", SplitConfig, summarize=summarize,
-         help="facts split across composed blocks vs one block: agreement with a full prefill")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "split"
+CONFIG = SplitConfig
+HELP = "facts split across composed blocks vs one block: agreement with a full prefill"

@@ -21,17 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import register
+from kvnotes.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import (
-    ci_dict,
-    curve,
-    item_fields,
-    run_pairs,
-    skip_summary,
-)
+from probes._common import curve, item_fields, run_pairs, skip_summary
 
 K_PERCENT = [2, 5, 10, 20, 30, 50, 70, 90, 100]
 TOP_K = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -202,5 +196,7 @@ def explain_prefix(segments: Sequence[Mapping[str, Any]], within: Mapping[int, A
             f"share {heavy['top_share']['mean']:.2f}); beyond {k} %: {', '.join(s['segment'] for s in beyond)}")
 
 
-register("probe", "suffix", SuffixConfig, summarize=summarize,
-         help="suffix concentration: last vs first k% of the downstream span, top-k vs random-k, layer bands")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "suffix"
+CONFIG = SuffixConfig
+HELP = "suffix concentration: last vs first k% of the downstream span, top-k vs random-k, layer bands"

@@ -1,5 +1,5 @@
-"""Run folders as experiments.run lays them out, with synthetic records, for the analysis tests
-(tests/analysis) and the figure tests of the experiments (tests/test_blend.py)."""
+"""Run folders as the runner (runner/rundir.py) lays them out, with synthetic records, for the analysis tests
+(tests/analysis) and the figure tests of the experiments (tests/experiments/test_blend.py)."""
 
 from __future__ import annotations
 

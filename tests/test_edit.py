@@ -6,7 +6,7 @@ from tolerances import ATOL_FP32
 
 from kvnotes import run, tasks
 from kvnotes.cache import patch
-from kvnotes.edit import ERRATA, Editor, erratum_position
+from kvnotes.edit_strategies import ERRATA, Editor, erratum_position
 from kvnotes.models.tiny import tiny_model
 
 

@@ -46,7 +46,7 @@ def real_results(llama_weights, tmp_path_factory) -> Path:
     exercises the notebook, it is not a finding (the loader flags it as a development run)."""
     from hydra import compose, initialize_config_dir
 
-    import experiments.run as runner
+    import runner.main as runner
 
     root = tmp_path_factory.mktemp("results")
     runner.prepare()

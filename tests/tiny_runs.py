@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import experiments.run as runner
+import runner.main as runner
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.name=tiny-llama", "model.tiny_family=llama"]

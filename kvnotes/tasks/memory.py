@@ -35,7 +35,7 @@ class Fact:
 
 def facts() -> dict[str, Fact]:
     return {
-        n: Fact(n, tuple(d["values"]), tuple(d["outcomes"]), d["question"])  # type: ignore[arg-type]
+        n: Fact(n, tuple(d["values"]), tuple(d["outcomes"]), d["question"])
         for n, d in bank("memory")["facts"].items()
     }
 

@@ -41,7 +41,7 @@ class Skill:
 def skills() -> dict[str, Skill]:
     out = {}
     for name, d in bank("skills").items():
-        out[name] = Skill(name, d["title"], tuple(d["values"]), tuple(d["outcomes"]),  # type: ignore[arg-type]
+        out[name] = Skill(name, d["title"], tuple(d["values"]), tuple(d["outcomes"]),
                           d["rule"], d["question"], tuple(d.get("guidelines", ())))
     return out
 

@@ -5,7 +5,8 @@ import pytest
 
 from kvnotes import tasks
 from kvnotes.models.tiny import tiny_model
-from probes import locality, scrub, split
+from probes import patching as locality
+from probes import scrub, split
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import experiments.run as runner
+import runner.main as runner
 from kvnotes.tasks import select_usable
+from runner.context import load_items
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.name=tiny-qwen2", "model.tiny_family=qwen2", "progress=false"]
@@ -35,7 +36,7 @@ def test_validate_tasks_writes_summary_and_usable_ids(tmp_path, suite, length):
     ids = json.loads((run_dir / "usable_ids.json").read_text())
     assert len(ids["recovery"]) == 3 and ids["model"] == "tiny-qwen2"
     model = runner.load(runner.validate(cfg).cfg)
-    items = runner.load_items(model, runner.validate(cfg).cfg)
+    items = load_items(model, runner.validate(cfg).cfg)
     assert len(select_usable(items, run_dir / "usable_ids.json").items) == 3
 
 

@@ -15,18 +15,18 @@ import torch
 from hydra import compose, initialize_config_dir
 from tolerances import ATOL_FP32
 
-import experiments.run as runner
-from experiments.config import ConfigError, validate
-from experiments.output import RecordWriter
+import runner.main as runner
 from kvnotes import blend
 from kvnotes import compose as kcompose
 from kvnotes import run as krun
 from kvnotes.blend import Layout, Method
 from kvnotes.models import wrap_model
 from kvnotes.models.tiny import tiny_model
+from runner.config import ConfigError, validate
+from runner.rundir import RecordWriter
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "locomo_mini.json"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_mini.json"
 TINY = ["model.name=tiny-llama", "model.tiny_family=llama", "progress=false"]
 SMALL = ["experiment.n_items=2", f"experiment.locomo_path={FIXTURE}", "experiment.locomo_blocks=2",
          "experiment.memory_blocks=3", "experiment.memory_block_tokens=60", "experiment.skills_length=420",
@@ -306,7 +306,7 @@ def test_locomo_items_hold_the_evidence_sessions(model):
 
 def test_kvboost_rows_score_its_output_against_its_baseline(model):
     from experiments._blend_workloads import BlendItem
-    from experiments.blend import KvboostConfig, kvboost_configs, kvboost_rows
+    from experiments._kvboost import KvboostConfig, kvboost_configs, kvboost_rows
 
     lay = layout(model.tokenizer)
     item = BlendItem("x/0", "skills", lay, decision_ids=(5, 9), correct_id=9)
@@ -341,8 +341,8 @@ def _kvboost_python() -> Path | None:
 
 @pytest.mark.skipif(_kvboost_python() is None, reason="no kvboost venv (.venv-kvboost or $KVBOOST_PYTHON)")
 def test_kvboost_worker_runs_as_it_ships(model, tmp_path):
-    from experiments import blend as exp
     from experiments._blend_workloads import skills_items
+    from experiments._kvboost import kvboost_records
 
     folder = tmp_path / "tiny"
     model.hf.save_pretrained(folder)
@@ -352,7 +352,7 @@ def test_kvboost_worker_runs_as_it_ships(model, tmp_path):
     ctx = context(tmp_path, m, "experiment.workloads=[skills]", "experiment.n_items=1",
                   f"experiment.kvboost.python={_kvboost_python()}", "experiment.kvboost.chunk_size=32")
     items = skills_items(m.tokenizer, True, 1, 420, 0)
-    rows = exp.kvboost_records(m, items, ctx.params)
+    rows = kvboost_records(m, items, ctx.params.kvboost, ctx.params.max_new_tokens)
     assert {r["name"] for r in rows} == {"kvboost selective@16", "kvboost cacheblend@15%"}
     for r in rows:
         assert r["kv_reuse_ratio"] > 0 and r["time_s"] > 0 and -1 <= r["cosine"] <= 1

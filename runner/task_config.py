@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from experiments.config import ConfigError
+from kvnotes.errors import ConfigError
 
 
 @dataclass

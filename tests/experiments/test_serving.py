@@ -1,4 +1,4 @@
-"""kvnotes.serving and experiments.serving: metrics parsing, Poisson schedule, the load driver
+"""experiments.serving and its vLLM client and server (experiments/_vllm_client.py, _vllm_server.py): metrics parsing, Poisson schedule, the load driver
 against a local stand-in server, prompt construction; one `serving` test runs the real vLLM."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from experiments import _vllm_client as client
+from experiments import _vllm_server as server
 from experiments import serving as exp
-from kvnotes import serving
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-serving" / "bin" / "python"
 
 METRICS = """\
@@ -43,40 +44,40 @@ weird_total{path="a\\"b,c"} NaN
 
 
 def test_parse_metrics_sums_label_sets_and_reads_histograms():
-    s = serving.parse_metrics(METRICS)
-    assert serving.total(s, serving.QUERIES) == 8210.0
-    assert serving.total(s, "vllm:request_success_total") == 7.0
-    assert serving.total(s, "vllm:request_success_total", finished_reason="stop") == 4.0
-    assert math.isnan(serving.total(s, "no_such_metric"))
-    assert math.isnan(serving.total(s, "weird_total"))  # NaN stays NaN; escaped quotes parse
-    assert serving.buckets(s, serving.TTFT) == [(0.5, 1.0), (1.0, 3.0), (10.0, 4.0), (math.inf, 4.0)]
-    c = serving.Counters.of(s)
+    s = client.parse_metrics(METRICS)
+    assert client.total(s, client.QUERIES) == 8210.0
+    assert client.total(s, "vllm:request_success_total") == 7.0
+    assert client.total(s, "vllm:request_success_total", finished_reason="stop") == 4.0
+    assert math.isnan(client.total(s, "no_such_metric"))
+    assert math.isnan(client.total(s, "weird_total"))  # NaN stays NaN; escaped quotes parse
+    assert client.buckets(s, client.TTFT) == [(0.5, 1.0), (1.0, 3.0), (10.0, 4.0), (math.inf, 4.0)]
+    c = client.Counters.of(s)
     assert (c.hits, c.queries, c.running, c.waiting) == (4032.0, 8210.0, 0.0, 1.0)
 
 
 def test_parse_metrics_refuses_garbage():
     with pytest.raises(ValueError):
-        serving.parse_metrics("this is not a sample line at all {\n")
+        client.parse_metrics("this is not a sample line at all {\n")
 
 
 def test_histogram_quantile_interpolates_inside_the_bucket():
     cum = [(0.5, 1.0), (1.0, 3.0), (10.0, 4.0), (math.inf, 4.0)]
-    assert serving.histogram_quantile(cum, 0.25) == pytest.approx(0.5)
-    assert serving.histogram_quantile(cum, 0.5) == pytest.approx(0.75)  # rank 2 of 4: mid (0.5, 1]
-    assert serving.histogram_quantile(cum, 1.0) == pytest.approx(10.0)
-    assert serving.histogram_quantile([(math.inf, 2.0)], 0.5) == 0.0
-    assert math.isnan(serving.histogram_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5))
+    assert client.histogram_quantile(cum, 0.25) == pytest.approx(0.5)
+    assert client.histogram_quantile(cum, 0.5) == pytest.approx(0.75)  # rank 2 of 4: mid (0.5, 1]
+    assert client.histogram_quantile(cum, 1.0) == pytest.approx(10.0)
+    assert client.histogram_quantile([(math.inf, 2.0)], 0.5) == 0.0
+    assert math.isnan(client.histogram_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5))
 
 
 def test_counter_deltas_give_the_hit_rate_and_server_ttft_of_the_interval():
-    a = serving.Counters.of(serving.parse_metrics(METRICS))
+    a = client.Counters.of(client.parse_metrics(METRICS))
     later = (METRICS.replace("8210.0", "18210.0").replace("4032.0", "13932.0")
              .replace('le="1.0",model_name="llama"} 3.0', 'le="1.0",model_name="llama"} 5.0')
              .replace('le="10.0",model_name="llama"} 4.0', 'le="10.0",model_name="llama"} 6.0')
              .replace('le="+Inf",model_name="llama"} 4.0', 'le="+Inf",model_name="llama"} 6.0')
              .replace("_count{engine=\"0\",model_name=\"llama\"} 4.0", "_count{engine=\"0\",model_name=\"llama\"} 6.0")
              .replace("} 8.5", "} 10.1"))
-    d = serving.Counters.of(serving.parse_metrics(later)) - a
+    d = client.Counters.of(client.parse_metrics(later)) - a
     assert d["hit_rate"] == pytest.approx(9900 / 10000)
     assert d["server_ttft_n"] == 2.0 and d["server_ttft_mean_s"] == pytest.approx(0.8)
     assert 0.5 < d["server_ttft_p50_s"] <= 1.0
@@ -88,17 +89,17 @@ def test_counter_deltas_give_the_hit_rate_and_server_ttft_of_the_interval():
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_have_the_right_rate():
-    a = serving.poisson_arrivals(2.0, 4000, seed=7)
-    assert a == serving.poisson_arrivals(2.0, 4000, seed=7)
-    assert a != serving.poisson_arrivals(2.0, 4000, seed=8)
+    a = client.poisson_arrivals(2.0, 4000, seed=7)
+    assert a == client.poisson_arrivals(2.0, 4000, seed=7)
+    assert a != client.poisson_arrivals(2.0, 4000, seed=8)
     assert a[0] == 0.0 and all(y > x for x, y in zip(a, a[1:]))
     gaps = [y - x for x, y in zip(a, a[1:])]
     assert sum(gaps) / len(gaps) == pytest.approx(0.5, rel=0.05)  # mean gap 1/rate
     var = sum((g - 0.5) ** 2 for g in gaps) / len(gaps)
     assert math.sqrt(var) == pytest.approx(0.5, rel=0.1)  # exponential: sd = mean
-    assert serving.poisson_arrivals(1.0, 0, seed=0) == []
+    assert client.poisson_arrivals(1.0, 0, seed=0) == []
     with pytest.raises(ValueError):
-        serving.poisson_arrivals(0.0, 3, seed=0)
+        client.poisson_arrivals(0.0, 3, seed=0)
 
 
 # --- the client and the load driver against a stand-in server ---------------------------------
@@ -150,19 +151,19 @@ def fake_server():
 
 
 def test_streaming_request_times_the_first_chunk_and_reads_usage(fake_server):
-    r = serving.StreamingRequest(fake_server, {"model": "m", "prompt": "hi", "max_tokens": 3}).run()
+    r = client.StreamingRequest(fake_server, {"model": "m", "prompt": "hi", "max_tokens": 3}).run()
     assert r.status == "ok", r.error
     assert r.text == " grant_access\n" and (r.prompt_tokens, r.completion_tokens) == (7, 3)
     assert 0 < r.ttft_s < r.latency_s < 5
-    assert serving.counters(fake_server).queries == 8210.0
+    assert client.counters(fake_server).queries == 8210.0
 
 
 def test_run_load_sends_on_schedule_and_cancels_at_the_cap(fake_server):
     arrivals = [0.0, 0.2, 0.4, 5.0]  # the last one falls after the cap: never sent
     prompts = ["a", "SLOW", "b", "c"]
     t0 = time.monotonic()
-    sent, wall = serving.run_load(
-        lambda i: serving.StreamingRequest(fake_server, {"model": "m", "prompt": prompts[i]}),
+    sent, wall = client.run_load(
+        lambda i: client.StreamingRequest(fake_server, {"model": "m", "prompt": prompts[i]}),
         arrivals, max_seconds=1.0)
     assert time.monotonic() - t0 < 4.0 and wall < 4.0  # the slow one was cut, not waited for
     assert [s.index for s in sent] == [0, 1, 2]
@@ -172,7 +173,7 @@ def test_run_load_sends_on_schedule_and_cancels_at_the_cap(fake_server):
     assert sent[2].arrival_s == 0.4 and math.isnan(sent[0].cutoff_s)
 
 
-class Cmd(serving.ServerSpec):
+class Cmd(server.ServerSpec):
     """A stand-in 'server' command (the manager's start/wait/stop, no vLLM)."""
 
     def __init__(self, *code: str) -> None:
@@ -184,8 +185,8 @@ class Cmd(serving.ServerSpec):
 
 
 def test_server_reports_an_early_exit_with_its_log(tmp_path):
-    srv = serving.Server(Cmd("print('boom'); raise SystemExit(3)"), tmp_path / "server.log", 60)
-    with pytest.raises(serving.ServerError, match="exited with 3"), srv:
+    srv = server.Server(Cmd("print('boom'); raise SystemExit(3)"), tmp_path / "server.log", 60)
+    with pytest.raises(server.ServerError, match="exited with 3"), srv:
         pass
     assert srv.proc is None and "boom" in srv.log_tail()
 
@@ -202,8 +203,8 @@ def test_server_that_never_gets_ready_is_stopped_with_its_children(tmp_path):
     grandchild = ("import subprocess, sys, time; "
                   "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
                   "print('child', p.pid, flush=True); time.sleep(120)")
-    srv = serving.Server(Cmd(grandchild), tmp_path / "server.log", startup_timeout=3)
-    with pytest.raises(serving.ServerError, match="not ready after 3 s"), srv:
+    srv = server.Server(Cmd(grandchild), tmp_path / "server.log", startup_timeout=3)
+    with pytest.raises(server.ServerError, match="not ready after 3 s"), srv:
         pass
     assert srv.proc is None
     pid = int(next(line.split()[1] for line in srv.log_tail().splitlines() if line.startswith("child")))
@@ -216,7 +217,7 @@ def test_server_that_never_gets_ready_is_stopped_with_its_children(tmp_path):
 def test_free_port_is_bindable_on_loopback():
     import socket
 
-    port = serving.free_port()
+    port = server.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
@@ -316,7 +317,7 @@ def test_serving_benchmark_short_on_real_vllm(tmp_path, llama):
     """Starts vLLM on 127.0.0.1, runs a short benchmark, and stops the server."""
     from hydra import compose, initialize_config_dir
 
-    import experiments.run as runner
+    import runner.main as runner
 
     runner.prepare()
     overrides = ["+experiment=serving", "model=llama", f"results_dir={tmp_path}", "progress=false",

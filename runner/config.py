@@ -19,16 +19,13 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments import registry
+from kvnotes.errors import ConfigError
+from runner import jobs
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KINDS: tuple[registry.Kind, ...] = ("probe", "experiment")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what is valid."""
+KINDS: tuple[jobs.Kind, ...] = ("probe", "experiment")
 
 
 def _check_dtype(dtype: str, where: str) -> None:
@@ -82,7 +79,7 @@ class RunConfig:
     resume: bool = True  # continue the newest unfinished run with the same config hash
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
-    task: Any = None  # task suite (configs/task/): a TaskConfig of experiments.task_config once validated
+    task: Any = None  # task suite (configs/task/): a TaskConfig of runner.task_config once validated
     probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
     experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
 
@@ -94,36 +91,15 @@ class RunConfig:
             raise ConfigError("results_dir must not be empty")
 
 
-@dataclass
-class SelfcheckConfig:
-    """The composition gate: splice a block after a prefix, repair K seam tokens, compare."""
-
-    n_blocks: int = 4  # probe blocks, each a seeded draw of policy sentences
-    block_sentences: int = 8  # sentences per block (~100-200 tokens)
-    prefix_sentences: int = 4  # sentences in the prefix the block is spliced after
-    seams: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8, 16])
-    threshold: float = 0.95  # a seam passes when its mean logit cosine is >= this
-    atol: float | None = None  # exactness tolerance on logits/cache; None: by dtype
-    n_boot: int = 1000
-
-    def __post_init__(self) -> None:
-        if self.n_blocks < 1 or self.block_sentences < 1 or self.prefix_sentences < 1:
-            raise ConfigError("n_blocks, block_sentences and prefix_sentences must be >= 1")
-        if not self.seams or any(k < 0 for k in self.seams):
-            raise ConfigError(f"seams must be a non-empty list of ints >= 0, got {self.seams}")
-        if not -1.0 <= self.threshold <= 1.0:
-            raise ConfigError(f"threshold is a cosine in [-1, 1], got {self.threshold}")
-
-
 @dataclass(frozen=True)
 class Job:
     """A validated run: the typed top level, what to run and that job's own typed config."""
 
     cfg: RunConfig
-    kind: registry.Kind
+    kind: jobs.Kind
     name: str
     params: Any  # instance of the entry's config class (a DictConfig when it has none)
-    entry: registry.Entry
+    entry: jobs.Entry
 
 
 def schema_node(name: str, config_cls: type | None) -> DictConfig:
@@ -143,7 +119,7 @@ def register_schemas(config_dir: Path = CONFIG_DIR) -> None:
     """
     from hydra.core.config_store import ConfigStore
 
-    from experiments.task_config import SCHEMAS
+    from runner.task_config import SCHEMAS
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -152,8 +128,8 @@ def register_schemas(config_dir: Path = CONFIG_DIR) -> None:
         cs.store(group="schema/task", name=kind, node=cls)
     OmegaConf.register_new_resolver("kvnotes_groups", lambda: help_groups(config_dir), replace=True)
     for kind in KINDS:
-        for name in registry.names(kind):
-            node = schema_node(name, registry.get(kind, name).config_cls)
+        for name in jobs.names(kind):
+            node = schema_node(name, jobs.get(kind, name).config_cls)
             cs.store(group=f"schema/{kind}", name=name, node=node)
             if not (config_dir / kind / f"{name}.yaml").exists():
                 cs.store(group=kind, name=name, node=node)
@@ -165,14 +141,14 @@ def help_groups(config_dir: Path = CONFIG_DIR) -> str:
     for group in sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name != "hydra"):
         options = {p.stem for p in (config_dir / group).glob("*.yaml")}
         if group in KINDS:
-            options |= set(registry.names(group))  # type: ignore[arg-type]
+            options |= set(jobs.names(group))
         lines.append(f"{group}: {', '.join(sorted(options))}")
     return "\n".join(lines)
 
 
 def valid_jobs() -> str:
     return "; ".join(
-        f"valid {kind}s: {', '.join(registry.names(kind)) or '(none)'} (+{kind}=<name>)"
+        f"valid {kind}s: {', '.join(jobs.names(kind)) or '(none)'} (+{kind}=<name>)"
         for kind in KINDS
     )
 
@@ -229,8 +205,8 @@ def results_problem(results_dir: str) -> str | None:
 
 def typed_task(node: Any, run_cfg: RunConfig) -> Any:
     """The task group as its kind's dataclass, its length bounded by the model and memory."""
-    from experiments import budget
-    from experiments.task_config import kind_of, schema_for
+    from kvnotes.models import budget
+    from runner.task_config import kind_of, schema_for
 
     task = _typed(schema_for(kind_of(node)), node, "task.")
     shape = budget.model_shape(run_cfg.model.name, run_cfg.model.tiny_family, run_cfg.cache_dir)
@@ -257,7 +233,7 @@ def validate(cfg: DictConfig) -> Job:
     node = cfg[kind]
     name = _job_name(kind, node)
     try:
-        entry = registry.get(kind, name)
+        entry = jobs.get(kind, name)
     except KeyError as e:
         raise ConfigError(f"{e.args[0]}; {valid_jobs()}") from None
     body = OmegaConf.masked_copy(node, [k for k in node if k != "name"])

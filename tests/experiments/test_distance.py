@@ -12,12 +12,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import experiments.distance as distance
-import experiments.run as runner
-from experiments import budget
-from experiments.config import ConfigError
+import runner.main as runner
 from kvnotes.metrics import wilson_ci
+from kvnotes.models import budget
+from runner.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.name=tiny-llama", "model.tiny_family=llama"]
 
 

@@ -18,17 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from experiments.registry import register
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import (
-    by_condition,
-    curve,
-    item_fields,
-    run_pairs,
-    skip_summary,
-)
+from probes._common import by_condition, curve, item_fields, run_pairs, skip_summary
 
 CONDITIONS = ("stale", "field_only", "notes_only", "full_downstream", "oracle")
 
@@ -133,5 +126,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict
     return out
 
 
-register("probe", "patching", PatchingConfig, summarize=summarize,
-         help="locality patching: field-only vs full-downstream, per-position and per-layer maps")(run)
+# The job convention (runner/jobs.py): the runner finds this probe by these names.
+NAME = "patching"
+CONFIG = PatchingConfig
+HELP = "locality patching: field-only vs full-downstream, per-position and per-layer maps"

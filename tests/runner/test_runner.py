@@ -15,12 +15,13 @@ from hydra import compose
 from omegaconf import OmegaConf
 from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
-import experiments.run as runner
 import kvnotes.compose
-from experiments import registry
-from experiments.config import ConfigError
-from experiments.output import RecordWriter, config_hash, find_unfinished
+import runner.context as runner_context
+import runner.main as runner
 from kvnotes.models import WeightsError
+from runner import jobs as registry
+from runner.config import ConfigError
+from runner.rundir import RecordWriter, config_hash, find_unfinished
 
 # --- RecordWriter ---------------------------------------------------------------------------
 
@@ -169,7 +170,7 @@ def test_probe_dispatch_in_units_with_resume(tmp_path, monkeypatch):
     entry = registry.Entry("fake", "probe", fake_probe, None, FakeProbeConfig, "test probe")
     monkeypatch.setitem(registry._ENTRIES, ("probe", "fake"), entry)
     items = [{"item_id": f"i{k}", "x": float(k)} for k in range(5)]
-    monkeypatch.setattr(runner, "load_items", lambda model, cfg: items)
+    monkeypatch.setattr(runner_context, "load_items", lambda model, cfg: items)
     cfg = compose("config", overrides=[f"results_dir={tmp_path}", "progress=false", *TINY])
     OmegaConf.update(cfg, "probe", {"name": "fake", "offset": 10.0}, force_add=True)
 
@@ -273,7 +274,7 @@ def test_slurm_launcher_config_composes_to_submitit(tmp_path):
 
 
 def test_summary_table_pivots_repeated_metrics_and_lists_curves():
-    from experiments.output import summary_table
+    from runner.rundir import summary_table
 
     ci = {"mean": 0.5, "ci_lo": 0.25, "ci_hi": 0.75, "n": 8}
     wide = summary_table({"kind": "experiment", "name": "edit", "model": "m", "n_items": 8,
@@ -289,7 +290,7 @@ def test_summary_table_pivots_repeated_metrics_and_lists_curves():
 
 
 def test_resummarize_rebuilds_the_summary_from_records(tmp_path):
-    from experiments import summarize
+    from runner import summarize
 
     run_dir = runner.run(selfcheck_cfg(tmp_path))
     before = read(run_dir / "summary.json")

@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from experiments.output import summary_table
-from kvnotes import tasks
+from kvnotes import metrics, tasks
 from kvnotes.metrics import bootstrap_ci
 from kvnotes.models.registry import get_spec
 from kvnotes.models.tiny import tiny_model
-from probes import _common, locality
+from probes import _common
+from probes import patching as locality
+from runner.rundir import summary_table
 
 
 def _rec(item: str, cond: str, value: float, **kw) -> dict:
@@ -30,11 +31,11 @@ def test_rows_of_one_item_are_averaged_before_the_interval():
 
 
 def test_proportions_get_a_wilson_interval_never_zero_width():
-    p = _common.prop_dict([True] * 30)
+    p = metrics.prop_dict([True] * 30)
     assert p["mean"] == 1.0 and p["ci_hi"] == 1.0 and p["ci_lo"] == pytest.approx(0.8865, abs=1e-4)
     assert p["k"] == 30 and p["n"] == 30 and p["interval"] == "wilson"
     with pytest.raises(ValueError, match="0/1"):
-        _common.prop_dict([0.5, 1.0])
+        metrics.prop_dict([0.5, 1.0])
 
 
 def _summary(fo, no, fd, n=30):
@@ -98,11 +99,11 @@ def test_run_pairs_stamps_the_margin_rule_on_every_record(model):
 
 
 def test_timings_are_a_min_max_range_and_the_table_calls_them_that():
-    r = _common.range_dict([2.0, 1.0, float("nan"), 4.0])
+    r = metrics.range_dict([2.0, 1.0, float("nan"), 4.0])
     assert (r["min"], r["max"], r["median"], r["n"], r["interval"]) == (1.0, 4.0, 2.0, 3, "min-max")
     assert "ci_lo" not in r
     text = summary_table({"kind": "experiment", "name": "edit", "model": "m", "n_items": 3,
-                          "strategies": {"erratum": {"time_ratio": r, "p_correct": _common.prop_dict([1, 1, 1])}}})
+                          "strategies": {"erratum": {"time_ratio": r, "p_correct": metrics.prop_dict([1, 1, 1])}}})
     assert "(min-max 1.000-4.000) n=3" in text and "nan" not in text
 
 

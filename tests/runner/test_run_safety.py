@@ -22,11 +22,11 @@ import yaml
 from hydra import compose
 from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
-import experiments.run as runner
 import kvnotes.compose
-from experiments import output
-from experiments.config import ConfigError
-from experiments.output import RecordWriter, RunDirError, RunLock
+import runner.main as runner
+from runner import rundir as output
+from runner.config import ConfigError
+from runner.rundir import RecordWriter, RunDirError, RunLock
 
 
 def interrupted_run(results: Path, monkeypatch) -> Path:
@@ -94,7 +94,7 @@ def test_a_run_that_completed_meanwhile_is_never_rewritten(tmp_path, monkeypatch
 
 def test_cli_refuses_a_run_dir_another_process_holds(tmp_path, monkeypatch):
     path = interrupted_run(tmp_path / "runs", monkeypatch)
-    code = ("import sys, time; from pathlib import Path; from experiments.output import RunLock; "
+    code = ("import sys, time; from pathlib import Path; from runner.rundir import RunLock; "
             "lock = RunLock(Path(sys.argv[1])); assert lock.acquire(); print('held', flush=True); "
             "time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -154,8 +154,8 @@ def test_task_length_below_the_prompt_skeleton_is_a_config_error(tmp_path):
 
 
 def test_positions_are_checked_after_load_when_the_config_was_not_on_disk(monkeypatch):
-    from experiments import budget
-    from experiments.config import validate
+    from kvnotes.models import budget
+    from runner.config import validate
 
     monkeypatch.setattr(budget, "model_shape", lambda *a: None)  # not fetched at validation time
     cfg = validate(compose("config", overrides=["+experiment=validate_tasks", "model=llama",

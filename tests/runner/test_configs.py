@@ -13,13 +13,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments import registry
-from experiments.config import KINDS, ConfigError, validate
-from experiments.run import prepare
-from experiments.task_config import SCHEMAS, GatedTask, MemoryTask, SkillsTask
 from kvnotes.models import get_spec, model_names
+from runner import jobs as registry
+from runner.config import KINDS, ConfigError, validate
+from runner.main import prepare
+from runner.task_config import SCHEMAS, GatedTask, MemoryTask, SkillsTask
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMPOSE_ERRORS = (HydraException, OmegaConfBaseException)
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import experiments.run as runner
-from experiments.config import ConfigError, validate
-from experiments.output import RecordWriter
-from kvnotes import locomo
+import runner.main as runner
+from kvnotes.tasks import locomo
+from runner.config import ConfigError, validate
+from runner.rundir import RecordWriter
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "locomo_mini.json"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_mini.json"
 TINY = ["model.name=tiny-llama", "model.tiny_family=llama", "progress=false"]
 NAMES = ["compose", "compose_scaling", "agent", "memory"]
 EXACT = 10_000  # a seam longer than any block: the transplant is a full recompute

@@ -6,7 +6,8 @@ import pytest
 
 from kvnotes import tasks
 from kvnotes.models.tiny import tiny_model
-from probes import knockout, linear, locality, suffix
+from probes import knockout, linear, suffix
+from probes import patching as locality
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,258 @@
+"""The runner: `python -m experiments.run +probe=<name> | +experiment=<name> model=<name>`.
+
+`main` is a thin `@hydra.main`; everything testable is `run(cfg) -> run_dir`: validate the
+composed config (before any model loads), open or resume the run directory, load the model,
+then drive the job (runner/jobs.py finds it) unit by unit, and write records and summary.
+A probe is called once per unit of `unit_size` task items (0: all items in one unit), so an
+interrupted run resumes at the first unit not on disk; an experiment gets a Context
+(runner/context.py) and writes its own units through `ctx.pending` / `ctx.write` (records it
+returns form one more unit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shlex
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from kvnotes import provenance
+from kvnotes.errors import ConfigError
+from kvnotes.models import LoadedModel
+from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
+from runner.context import Context, item_key, load
+from runner.jobs import discover
+from runner.rundir import (
+    RecordWriter,
+    RunDir,
+    RunDirError,
+    config_hash,
+    now_iso,
+    read_json,
+    summary_table,
+)
+
+log = logging.getLogger(__name__)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+RETURNED = "returned"  # unit key of the records an experiment returns
+
+
+def prepare() -> None:
+    """Registry filled and schemas stored: call before Hydra composes a config."""
+    discover()
+    register_schemas()
+
+
+def _seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_probe(ctx: Context) -> None:
+    """Call the probe once per unit of items; each unit's records go to disk before the next."""
+    items = ctx.items()
+    size = int(getattr(ctx.params, "unit_size", 1) or 0) or len(items) or 1
+    units = {item_key(items[i], i): items[i : i + size] for i in range(0, len(items), size)}
+    if len(units) != -(-len(items) // size):
+        raise ValueError("task items have duplicate ids; unit keys must be unique")
+    for key in ctx.pending(list(units), desc=f"{ctx.job.name} items"):
+        ctx.write(key, ctx.job.entry.run(ctx.model, units[key], ctx.params))
+
+
+def run_experiment(ctx: Context) -> None:
+    returned = ctx.job.entry.run(ctx)
+    if returned is not None and not ctx.writer.done(RETURNED):
+        ctx.write(RETURNED, returned)
+
+
+def build_summary(job: Job, records: Any) -> dict[str, Any]:
+    """summary.json's content from a run's records (a DataFrame): counts, then the job's own."""
+    summary: dict[str, Any] = {"kind": job.kind, "name": job.name, "model": job.cfg.model.name,
+                               "n_records": len(records)}
+    if job.entry.summarize is not None:
+        summary |= job.entry.summarize(records.to_dict("records"), job.params)
+    return summary
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as a user would type it again (`python -m experiments.run ...`)."""
+    argv = list(sys.argv if argv is None else argv) or [""]
+    if argv[0].endswith(("experiments/run.py", "runner/__main__.py")):
+        head = ["python", "-m", "experiments.run"]
+    else:  # `kvnotes run` (kvnotes.cli) sets argv[0] to its two words
+        head = argv[0].split() if argv[0].startswith("kvnotes ") else argv[:1]
+    return shlex.join([*head, *argv[1:]])
+
+
+def hydra_overrides() -> list[str] | None:
+    """This job's overrides as Hydra parsed them (per job in a multirun), None outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return list(HydraConfig.get().overrides.task)
+
+
+def record_invocation(path: Path, attempt: int) -> None:
+    """command.txt (one line per attempt) and overrides.yaml (this attempt's): how to rerun it."""
+    import yaml
+
+    with open(path / "command.txt", "a", encoding="utf-8") as f:
+        f.write(f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
+    overrides = hydra_overrides()
+    (path / "overrides.yaml").write_text(yaml.safe_dump(overrides if overrides is not None else [],
+                                                        default_flow_style=False))
+
+
+class RunLog:
+    """Everything logged while the run dir is open also goes to <run dir>/run.log (appended)."""
+
+    def __init__(self, path: Path) -> None:
+        self.handler = logging.FileHandler(path / "run.log", encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        self.root = logging.getLogger()
+        self.level = self.root.level
+
+    def __enter__(self) -> RunLog:
+        self.root.addHandler(self.handler)
+        if self.level > logging.INFO:  # the run's INFO lines belong in run.log
+            self.root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.root.removeHandler(self.handler)
+        self.root.setLevel(self.level)
+        self.handler.close()
+
+
+def check_loaded_positions(cfg: RunConfig, model: LoadedModel) -> None:
+    """The position bound, when validation could not read the model's config (fetched just now)."""
+    limit = getattr(model.hf.config, "max_position_embeddings", None)
+    if cfg.task is None or cfg.model.tiny_family is not None or not isinstance(limit, int):
+        return
+    if cfg.task.length > limit:
+        raise ConfigError(f"task.length={cfg.task.length} exceeds the {limit} positions of model "
+                          f"{cfg.model.name}; use task.length <= {limit}")
+
+
+def run(cfg: DictConfig) -> Path:
+    """Validate, open/resume the run directory, run the job, write records + summary."""
+    discover()  # a launcher's worker process (joblib, submitit) starts with an empty registry
+    job = validate(cfg)  # nothing is written before the config is valid
+    from kvnotes.models import resolve_device
+
+    device = str(resolve_device(job.cfg.device))
+    chash = config_hash(cfg, device)
+    meta = {
+        "kind": job.kind,
+        "name": job.name,
+        "model_name": job.cfg.model.name,
+        "seed": job.cfg.seed,
+        "device": device,
+        **provenance.collect(),
+    }
+    attempt = {"command": command_line(), "overrides": hydra_overrides(), "pid": os.getpid(),
+               "host": socket.gethostname()}
+    rd = RunDir.open(Path(job.cfg.results_dir), job.name, job.cfg.model.name, cfg, chash,
+                     job.cfg.resume, meta, attempt)
+    try:
+        record_invocation(rd.path, len(rd.meta["attempts"]))
+        with RunLog(rd.path):
+            _run_in(rd, job)
+    finally:
+        rd.close()
+    return rd.path
+
+
+def _run_in(rd: RunDir, job: Job) -> None:
+    """Load, run and summarise inside an open (locked) run directory; its status says how it ended."""
+    log.info("%s run dir: %s", "resuming" if rd.resumed else "new", rd.path)
+    log.info("command: %s", command_line())
+    try:
+        _seed(job.cfg.seed)
+        model = load(job.cfg)
+        check_loaded_positions(job.cfg, model)
+        rd.update(model=model.provenance(), dtype=str(model.dtype).removeprefix("torch."))
+        ctx = Context(job, model, RecordWriter(rd.path), rd.path)
+        (run_probe if job.kind == "probe" else run_experiment)(ctx)
+        records = ctx.writer.finalize()
+        rd.write_summary(build_summary(job, records) | {"finished": now_iso()})
+    except KeyboardInterrupt:
+        rd.set_status("interrupted")
+        raise
+    except BaseException as e:
+        rd.set_status("failed", error=f"{type(e).__name__}: {e}")
+        log.error("failed: %s: %s", type(e).__name__, e)
+        raise
+    rd.set_status("completed")
+    log.info("completed: %s", rd.path)
+    ctx.writer.cleanup()  # never raises: a completed run stays completed
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from kvnotes.models import WeightsError
+
+    try:
+        path = run(cfg)
+    except (ConfigError, WeightsError, RunDirError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        print("interrupted: finished units are on disk; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(130)
+    print(summary_table(read_json(path / "summary.json")))
+    print(f"run dir: {path}")
+
+
+def cli() -> None:
+    """`python -m experiments.run`: Hydra's main, with a config that does not compose (a
+    misspelt key, a wrong type) reported as one `error:` line instead of Hydra's report.
+
+    Hydra re-raises instead of reporting when HYDRA_FULL_ERROR is set; unless the user set it
+    (then they want the full trace), we set it, catch composition errors and print one line.
+    """
+    from hydra.errors import HydraException
+
+    prepare()
+    if os.environ.get("HYDRA_FULL_ERROR"):
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        sys.exit(f"error: {compose_message(e)}")
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def compose_message(e: BaseException) -> str:
+    """One line from a Hydra composition error and the OmegaConf error that caused it."""
+    if isinstance(e, OmegaConfBaseException):
+        return one_line(e)
+    lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]
+    head = lines[0].rstrip(".") if lines else type(e).__name__
+    if isinstance(e.__cause__, OmegaConfBaseException):
+        return f"{head}: {one_line(e.__cause__)}"
+    if len(lines) > 1:  # "Available options in 'task':", one option per line, the search path
+        options = lines[2:lines.index("Config search path:")] if "Config search path:" in lines else lines[2:]
+        return f"{head}; {lines[1]} {', '.join(options)}".rstrip()
+    return head
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,59 @@
+"""Recompute summary.json of finished runs from their records with the current summary code.
+
+    python -m experiments.summarize RUN_DIR [RUN_DIR ...]   (or python -m runner.summarize)
+
+Records are what was measured; a summary is derived from them. When a job's summary gains a
+metric (or a bug in one is fixed), this rewrites summary.json from records.parquet and the run's
+own config.yaml without re-running a model. The original finish time is kept and the rewrite is
+stamped `resummarized`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from kvnotes.errors import ConfigError
+from runner.config import validate
+from runner.jobs import discover
+from runner.main import build_summary
+from runner.rundir import now_iso, read_json, summary_table, write_json
+
+
+def resummarize(run_dir: Path) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    for f in ("config.yaml", "records.parquet"):
+        if not (run_dir / f).is_file():
+            raise ConfigError(f"{run_dir}: no {f}; only a finished run can be summarised again")
+    discover()
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{run_dir}/config.yaml is not a mapping")
+    job = validate(cfg)
+    old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
+    summary |= {"finished": old.get("finished"), "resummarized": now_iso()}
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path)
+    a = p.parse_args(argv)
+    for run in a.runs:
+        try:
+            print(summary_table(resummarize(run)))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
