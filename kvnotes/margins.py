@@ -76,7 +76,13 @@ def derive(control_deltas: ArrayLike | Sequence[float], dtype: str, source: str 
 # seed 0, 48 gated-control items). Models without an entry keep a margin set by hand.
 DERIVED: dict[str, Derivation] = {
     "llama": Derivation(margin=0.03, rms=0.009902, n_control=48, dtype="float32",
-                        source="validate_tasks gated-control, 400 tokens, seed 0, commit 1653a6e, dirty tree"),
+        source="validate_tasks gated-control, 400 tokens, seed 0, commit 1cbd107"),
+    "qwen-1.5b": Derivation(margin=0.03, rms=0.007103, n_control=48, dtype="float32",
+        source="validate_tasks gated-control, 400 tokens, seed 0, commit 1cbd107"),
+    "qwen": Derivation(margin=0.02, rms=0.004574, n_control=48, dtype="float32",
+        source="validate_tasks gated-control, 400 tokens, seed 0, commit 1cbd107"),
+    "gemma": Derivation(margin=0.02, rms=0.005389, n_control=48, dtype="float32",
+        source="validate_tasks gated-control, 400 tokens, seed 0, commit 1cbd107"),
 }
 
 

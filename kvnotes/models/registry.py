@@ -126,6 +126,7 @@ register(
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma Terms of Use",
         chat=False,
+        margin=0.02,  # kvnotes.margins: 3 x control RMS 0.0054 (48 gated-control items, fp32)
     )
 )
 register(
@@ -139,6 +140,7 @@ register(
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size_bytes=491400064,
         license="Apache-2.0",
+        margin=0.02,  # kvnotes.margins: 3 x control RMS 0.0046 (48 gated-control items, fp32)
     )
 )
 register(
@@ -154,6 +156,7 @@ register(
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size_bytes=1117320768,
         license="Apache-2.0",
+        margin=0.03,  # kvnotes.margins: 3 x control RMS 0.0071 (48 gated-control items, fp32)
     )
 )
 
