@@ -47,7 +47,7 @@ class DistanceConfig:
     distances: list[int] = field(default_factory=lambda: [32, 64, 128, 256, 512, 1024])
     length: int | None = None  # None: per item, the shortest that fits the longest distance
     margin: float | None = None  # None: the model config's margin
-    batch_size: int = 128  # patched variants per forward
+    batch_size: int | None = None  # patched variants per forward; None: as many as half the free memory holds
     n_boot: int = 1000
 
     def __post_init__(self) -> None:
@@ -60,7 +60,7 @@ class DistanceConfig:
             raise ConfigError(f"length must be >= 1 or null, got {self.length}")
         if self.margin is not None and not self.margin >= 0:
             raise ConfigError(f"margin must be >= 0 or null, got {self.margin}")
-        if self.batch_size < 1 or self.n_boot < 1:
+        if (self.batch_size is not None and self.batch_size < 1) or self.n_boot < 1:
             raise ConfigError("batch_size and n_boot must be >= 1")
 
 
@@ -86,7 +86,7 @@ def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) ->
     }
 
 
-def measure(model: LoadedModel, item: TaskItem, margin: float, batch_size: int = 128) -> dict[str, Any]:
+def measure(model: LoadedModel, item: TaskItem, margin: float, batch_size: int | None = None) -> dict[str, Any]:
     """Stale/oracle pair of one item and, when usable, its field-only / notes-only recoveries."""
     pair = make_pair(model, item)
     if not abs(pair.delta) >= margin:

@@ -31,14 +31,14 @@ class PatchingConfig:
     margin: float | None = None  # None: the model config's margin
     per_position: bool = True  # the per-position map (one variant per downstream position)
     per_layer: bool = True
-    batch_size: int = 128  # patched variants read per forward
+    batch_size: int | None = None  # patched variants per forward; None: as many as half the free memory holds
     unit_size: int = 1  # items per resumable unit
     n_boot: int = 2000
 
     def __post_init__(self) -> None:
         if self.margin is not None and self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
-        if self.batch_size < 1 or self.unit_size < 0:
+        if (self.batch_size is not None and self.batch_size < 1) or self.unit_size < 0:
             raise ValueError("batch_size must be >= 1 and unit_size >= 0")
 
 

@@ -39,14 +39,14 @@ class ScrubConfig:
     top_fraction: float = 0.25  # `attended`: this share of the downstream span, most attended first
     n_random: int = 3
     seed: int = 0
-    batch_size: int = 128
+    batch_size: int | None = None  # patched variants per forward; None: as many as half the free memory holds
     unit_size: int = 1
 
     def __post_init__(self) -> None:
         bad = [n for n in self.notes if n not in NOTE_SETS]
         if bad or not self.notes:
             raise ValueError(f"unknown note sets {bad}; valid: {', '.join(NOTE_SETS)}")
-        if not 0 < self.top_fraction <= 1 or self.n_random < 0 or self.batch_size < 1:
+        if not 0 < self.top_fraction <= 1 or self.n_random < 0 or (self.batch_size is not None and self.batch_size < 1):
             raise ValueError("top_fraction in (0, 1], n_random >= 0, batch_size >= 1")
 
 

