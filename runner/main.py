@@ -178,6 +178,11 @@ def run(cfg: DictConfig) -> Path:
     return rd.path
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parallel_jobs() -> int:
     """How many jobs run at once beside this one: a joblib multirun's n_jobs, else 1."""
     from hydra.core.hydra_config import HydraConfig
@@ -186,14 +191,14 @@ def parallel_jobs() -> int:
         return 1
     launcher = HydraConfig.get().launcher
     n = launcher.get("n_jobs") if launcher is not None and "joblib" in str(launcher.get("_target_", "")) else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     return 1 if not n else (cores if int(n) < 0 else min(int(n), cores))
 
 
 def threads_for(cfg: RunConfig) -> tuple[int, str]:
     """torch's CPU threads for a job, and why: the config's `threads`, else this process's cores
     split among the jobs a parallel multirun runs at once (N jobs on C cores never run N x C)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     if cfg.threads is not None:
         n, why = cfg.threads, "threads= in the config"
     else:
