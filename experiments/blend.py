@@ -22,7 +22,6 @@ whether a method is within 1 % of full-prefill task score at <= 15 % recompute. 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +31,11 @@ import pandas as pd
 from experiments._kvboost import KvboostConfig, kvboost_records, resolve
 from kvnotes.errors import ConfigError
 from kvnotes.metrics import ci_dict, kl_divergence, logit_cosine, top1_agree, wilson_ci
-from kvnotes.timing import torch_threads
+from kvnotes.timing import measure, torch_threads
 
 if TYPE_CHECKING:
+    import torch
+
     from experiments._blend_workloads import BlendItem
     from experiments._context import Context
     from kvnotes.models import LoadedModel
@@ -101,13 +102,12 @@ class BlendConfig:
 # --- one item ------------------------------------------------------------------------------------
 
 
-def _timed(fn: Any, repeats: int) -> tuple[Any, float]:
-    """(result of the first call, median seconds over `repeats` calls)."""
+def _timed(fn: Any, repeats: int, device: torch.device) -> tuple[Any, float]:
+    """(result of the first call, median seconds over `repeats` calls, device synchronised)."""
     times, out = [], None
     for r in range(repeats):
-        t0 = time.perf_counter()
-        res = fn()
-        times.append(time.perf_counter() - t0)
+        res, seconds, _ = measure(fn, device, memory=False)
+        times.append(seconds)
         out = res if r == 0 else out
     return out, float(np.median(times))
 
@@ -141,7 +141,7 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
     from kvnotes import run as engine
 
     lay = item.layout
-    full, full_s = _timed(lambda: engine.prefill(model, lay.ids), cfg.timing_repeats)
+    full, full_s = _timed(lambda: engine.prefill(model, lay.ids), cfg.timing_repeats, model.device)
     ref = full.logits[0, -1]
     ref_score = _score(model, item, full, cfg.max_new_tokens)
     head = engine.prefill(model, list(lay.head)).cache if lay.head else None
@@ -160,7 +160,7 @@ def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[
         def go(m: Any = m) -> tuple[Any, Any]:
             built = blend.build(model, lay, head, blocks, m)
             return built, engine.extend(model, built.cache, list(lay.tail))
-        (built, step), dt = _timed(go, cfg.timing_repeats)
+        (built, step), dt = _timed(go, cfg.timing_repeats, model.device)
         logits = step.logits[0, -1]
         sc = _score(model, item, step, cfg.max_new_tokens)
         rows.append({**common, "method": m.curve, "setting": float(m.setting), "name": m.name,
