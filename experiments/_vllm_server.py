@@ -1,6 +1,9 @@
 """The vLLM server process of the serving benchmark (experiment `serving`): started on a free
-loopback port from its own venv, waited for, and always stopped (process group, SIGTERM then
-SIGKILL), also when the experiment is interrupted. The client side: experiments/_vllm_client.py.
+loopback port from its own venv, waited for, and always stopped (process group, SIGINT then
+SIGKILL), also when the experiment is interrupted, and also when it is killed outright: the
+server runs under experiments/_watchdog.py, the leader of its process group, which the kernel
+signals when the experiment dies (PR_SET_PDEATHSIG) and which then kills the whole group.
+The client side: experiments/_vllm_client.py.
 """
 
 from __future__ import annotations
@@ -11,15 +14,28 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from experiments._vllm_client import get
 
+WATCHDOG = Path(__file__).with_name("_watchdog.py")
+
 # --- The server process -----------------------------------------------------------------------
+
+
+def spawn_guarded(argv: list[str], env: dict[str, str] | None = None,
+                  stdout: IO[Any] | int | None = None) -> subprocess.Popen[bytes]:
+    """`argv` started under the watchdog, in a new session and process group whose leader is the
+    watchdog (pid = pgid of the returned process): the group dies with this process, however
+    this process dies. `os.killpg(proc.pid, sig)` reaches the command and all its children."""
+    return subprocess.Popen([sys.executable, str(WATCHDOG), str(os.getpid()), "--", *argv], env=env,
+                            stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,7 +70,8 @@ class ServerSpec:
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                 "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port),
                 "--enable-prefix-caching", "--block-size", str(self.block_size), "--dtype",
-                self.dtype, "--max-model-len", str(self.max_model_len)]
+                self.dtype, "--max-model-len", str(self.max_model_len),
+                "--enable-prompt-tokens-details"]  # usage.prompt_tokens_details.cached_tokens
         return args + (["--enforce-eager"] if self.enforce_eager else []) + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -75,9 +92,10 @@ class ServerError(RuntimeError):
 class Server:
     """A vLLM server child process: `with Server(spec, log) as s:` starts, waits, always stops.
 
-    The child runs in its own process group, which `stop()` signals (SIGINT, then SIGKILL), so
-    the engine's worker processes go with it; SIGTERM to this process is turned into SystemExit
-    while the server runs, so `finally` blocks (and `stop`) run on a kill as on Ctrl-C.
+    The child (the watchdog, then vLLM under it) runs in its own process group, which `stop()`
+    signals (SIGINT, then SIGKILL), so the engine's worker processes go with it; SIGTERM to this
+    process is turned into SystemExit while the server runs, so `finally` blocks (and `stop`)
+    run on a kill as on Ctrl-C; on SIGKILL the watchdog takes the group down.
     """
 
     def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout: float = 900.0) -> None:
@@ -88,20 +106,23 @@ class Server:
         self.startup_s = math.nan
         self._log: TextIO | None = None
         self._old_term: Any = None
+        self._t0 = math.nan
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Start the process (under the watchdog) without waiting for it to answer."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("a")
         self._log.write(" ".join(self.spec.argv(self.port)) + "\n")
         self._log.flush()
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.spec.argv(self.port), env=self.spec.env(),
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._t0 = time.monotonic()
+        self.proc = spawn_guarded(self.spec.argv(self.port), self.spec.env(), self._log)
         if threading.current_thread() is threading.main_thread():
             self._old_term = signal.signal(signal.SIGTERM, _raise_exit)
+
+    def start(self) -> None:
+        self.launch()
         self.wait_ready()
-        self.startup_s = time.monotonic() - t0
+        self.startup_s = time.monotonic() - self._t0
 
     def wait_ready(self, poll: float = 1.0) -> None:
         deadline = time.monotonic() + self.startup_timeout
