@@ -1,32 +1,34 @@
 """Client side of the serving benchmark (experiment `serving`): read vLLM's /metrics, stream
-completions, drive a seeded Poisson load, all on loopback with the standard library only.
+completions with httpx, drive a seeded Poisson load with a time cap, on loopback.
 
 The benchmark compares how an engine's automatic prefix cache treats a state change.
 An in-prefix edit changes a token near the top of the prompt, so every block after it misses;
 an appended erratum leaves the prefix byte-identical, so all full blocks before it hit:
 hit rate = delta `vllm:prefix_cache_hits_total` / delta `vllm:prefix_cache_queries_total`
-~ floor(prefix / block) * block / prompt tokens. TTFT is measured client side from the
-request's send to the first streamed chunk; arrivals are a seeded Poisson process.
-Nothing here leaves 127.0.0.1 unless given a URL. The server process: experiments/_vllm_server.py.
+~ floor(prefix / block) * block / prompt tokens, read from vLLM's own Prometheus counters.
+TTFT is measured client side from the request's send to the first streamed chunk with a
+choice (as `vllm bench serve` does); arrivals are a seeded Poisson process. Requests still open
+at a phase's cap are cancelled (their stream closed, so vLLM aborts them) and kept as censored.
+The Prometheus text is parsed here (30 lines, tested on vLLM's output) because the project's
+environment has no prometheus_client; nothing else is hand-written HTTP. Proxies from the
+environment are not used (trust_env=False): the server is ours, on 127.0.0.1, unless given a URL.
+The server process: experiments/_vllm_server.py; vLLM's own load generator:
+experiments/_vllm_bench.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.client
+import asyncio
 import json
 import math
 import random
 import re
-import socket
-import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 # --- Prometheus text format -------------------------------------------------------------------
 
@@ -124,12 +126,10 @@ class Counters:
 def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
     """(status, body) of a GET; status 0 when nothing answers."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except (OSError, http.client.HTTPException):
+        r = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.HTTPError:
         return 0, ""
+    return r.status_code, r.text
 
 
 def counters(base_url: str) -> Counters:
@@ -164,81 +164,77 @@ def wait_idle(base_url: str, timeout: float = 600.0, poll: float = 0.5) -> Count
 class Completion:
     """One streamed completion, timed from the send (`start` on the caller's monotonic clock)."""
 
-    start: float
+    start: float = math.nan
     ttft_s: float = math.nan  # to the first streamed chunk with a choice
     latency_s: float = math.nan  # to the end of the stream
     text: str = ""
     prompt_tokens: float = math.nan  # the server's count (usage chunk)
     completion_tokens: float = math.nan
+    cached_tokens: float = math.nan  # prefix-cache hits of this request (vLLM: --enable-prompt-tokens-details)
     status: str = "pending"  # ok | cancelled | error
     error: str = ""
 
 
-class StreamingRequest:
-    """A /v1/completions request with stream=true; `cancel()` (any thread) closes its socket."""
+def async_client(base_url: str, timeout: float = 900.0) -> httpx.AsyncClient:
+    """An httpx client for one phase: no connection limit (the load decides), no env proxies."""
+    return httpx.AsyncClient(base_url=base_url.rstrip("/"), trust_env=False,
+                             timeout=httpx.Timeout(timeout, connect=10.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
-    def __init__(self, base_url: str, body: Mapping[str, Any], timeout: float = 600.0) -> None:
-        u = urllib.parse.urlsplit(base_url)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
-        self.path = (u.path.rstrip("/") or "") + "/v1/completions"
-        self.body = json.dumps({**body, "stream": True,
-                                "stream_options": {"include_usage": True}}).encode()
-        self.timeout = timeout
-        self._sock: socket.socket | None = None  # kept: http.client drops conn.sock on Connection: close
-        self._cancelled = threading.Event()
 
-    def cancel(self) -> None:
-        self._cancelled.set()
-        sock = self._sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def run(self) -> Completion:
-        out = Completion(start=time.monotonic())
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-        try:
-            conn.connect()
-            self._sock = conn.sock
-            if self._cancelled.is_set():
-                raise ConnectionAbortedError("cancelled before sending")
-            conn.request("POST", self.path, body=self.body,
-                         headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {resp.read(2000).decode(errors='replace')}")
-            for event in _sse(resp):
+async def complete(client: httpx.AsyncClient, body: Mapping[str, Any]) -> Completion:
+    """POST /v1/completions with stream=true; a cancelled task returns its partial timing."""
+    out = Completion(start=time.monotonic())
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:2000]
+                raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
+            async for event in _events(resp):
                 if event.get("error"):
                     raise RuntimeError(str(event["error"]))
                 for ch in event.get("choices") or []:
                     if math.isnan(out.ttft_s):
                         out.ttft_s = time.monotonic() - out.start
                     out.text += ch.get("text") or ""
-                usage = event.get("usage")
-                if usage:
-                    out.prompt_tokens = float(usage.get("prompt_tokens", math.nan))
-                    out.completion_tokens = float(usage.get("completion_tokens", math.nan))
-            out.latency_s = time.monotonic() - out.start
-            out.status = "ok"
-        except Exception as e:  # noqa: BLE001 - any failure is recorded on the request
-            out.status = "cancelled" if self._cancelled.is_set() else "error"
-            out.error = f"{type(e).__name__}: {e}"[:500]
-        finally:
-            conn.close()
-        return out
+                _usage(out, event.get("usage"))
+        out.latency_s = time.monotonic() - out.start
+        out.status = "ok"
+    except asyncio.CancelledError:  # the phase cap: the stream is closed, vLLM aborts the request
+        out.status, out.error = "cancelled", "cancelled at the phase cap"
+    except Exception as e:  # noqa: BLE001 - any failure is recorded on the request
+        out.status, out.error = "error", f"{type(e).__name__}: {e}"[:500]
+    return out
 
 
-def _sse(resp: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+def _usage(out: Completion, usage: Mapping[str, Any] | None) -> None:
+    if not usage:
+        return
+    out.prompt_tokens = float(usage.get("prompt_tokens", math.nan))
+    out.completion_tokens = float(usage.get("completion_tokens", math.nan))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    out.cached_tokens = math.nan if cached is None else float(cached)
+
+
+async def _events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of a server-sent-event stream, up to `data: [DONE]`."""
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
             continue
         data = line[5:].strip()
-        if data == b"[DONE]":
+        if data == "[DONE]":
             return
         yield json.loads(data)
     raise ConnectionError("the stream ended before [DONE]")
+
+
+def complete_one(base_url: str, body: Mapping[str, Any], timeout: float = 900.0) -> Completion:
+    """One request, waited for (the sequential phases)."""
+    async def one() -> Completion:
+        async with async_client(base_url, timeout) as client:
+            return await complete(client, body)
+    return asyncio.run(one())
 
 
 # --- Load -------------------------------------------------------------------------------------
@@ -267,44 +263,35 @@ class Sent:
     cutoff_s: float = math.nan  # phase time at which it was cancelled (censored), else NaN
 
 
-def run_load(make: Callable[[int], StreamingRequest], arrivals: Sequence[float],
-             max_seconds: float) -> tuple[list[Sent], float]:
-    """Send request i at offset arrivals[i] (threads), none after `max_seconds`; at that cap
-    cancel what is still open. Returns the requests sent, in order, and the phase's wall time.
-    A request never sent is left out; a cancelled one keeps its partial timing (status cancelled).
-    """
+def run_load(base_url: str, bodies: Sequence[Mapping[str, Any]], arrivals: Sequence[float],
+             max_seconds: float = math.inf, timeout: float = 900.0) -> tuple[list[Sent], float]:
+    """Send bodies[i] at offset arrivals[i] (one asyncio task each), none after `max_seconds`;
+    at that cap cancel what is still open. Returns the requests sent, in order, and the phase's
+    wall time. A request never sent is left out; a cancelled one keeps status `cancelled`."""
+    if len(bodies) != len(arrivals):
+        raise ValueError(f"{len(bodies)} bodies for {len(arrivals)} arrivals")
+    return asyncio.run(_load(base_url, bodies, arrivals, max_seconds, timeout))
+
+
+async def _load(base_url: str, bodies: Sequence[Mapping[str, Any]], arrivals: Sequence[float],
+                max_seconds: float, timeout: float) -> tuple[list[Sent], float]:
     t0 = time.monotonic()
-    sent: list[Sent] = []
-    live: list[tuple[StreamingRequest, threading.Thread]] = []
-    lock = threading.Lock()
+    async with async_client(base_url, timeout) as client:
+        async def send(i: int) -> Completion:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
+            return await complete(client, bodies[i])
 
-    def worker(i: int, req: StreamingRequest, arrival: float) -> None:
-        res = req.run()
-        with lock:
-            sent.append(Sent(i, arrival, res))
-
-    for i, at in enumerate(arrivals):
-        delay = t0 + at - time.monotonic()
-        if at > max_seconds:
-            break
-        if delay > 0:
-            time.sleep(delay)
-        req = make(i)
-        th = threading.Thread(target=worker, args=(i, req, at), daemon=True)
-        th.start()
-        live.append((req, th))
-    for req, th in live:
-        th.join(max(0.0, t0 + max_seconds - time.monotonic()))
-        if th.is_alive():
-            req.cancel()
-    cutoff = time.monotonic() - t0
-    for _, th in live:
-        th.join(30.0)
-    with lock:
-        out = sorted(sent, key=lambda s: s.index)
-    for s in out:
-        if s.result.status == "cancelled":
-            s.cutoff_s = cutoff
+        tasks = {asyncio.create_task(send(i)): i for i, at in enumerate(arrivals) if at <= max_seconds}
+        cap = None if math.isinf(max_seconds) else max(0.0, t0 + max_seconds - time.monotonic())
+        _, pending = await asyncio.wait(tasks, timeout=cap) if tasks else (set(), set())
+        cutoff = time.monotonic() - t0
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    out = []
+    for task, i in sorted(tasks.items(), key=lambda kv: kv[1]):
+        if task.cancelled():  # cancelled before its send: never sent
+            continue
+        res = task.result()
+        out.append(Sent(i, arrivals[i], res, cutoff if res.status == "cancelled" else math.nan))
     return out, time.monotonic() - t0
-
-
