@@ -164,10 +164,13 @@ def serving_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
     """Requests of experiment `serving` as (model, run_id, arm, phase, rate, request, ttft_ms,
     censored, hit), or why there are none.
 
-    arm = the prompt variant (edit: state rewritten in the prefix; erratum: appended; hoist);
+    arm = the prompt variant (edit: state rewritten in the prefix with a new request id;
+    edit_field: only the field rewritten; erratum: appended; hoist);
     ttft_ms = the client TTFT, or for a request cancelled at the phase cap its lower bound
     (censored = True); hit = the phase's prefix-cache hit rate (vLLM counter delta over the phase:
-    one number per variant and phase, repeated on its requests). Errored requests are dropped.
+    one number per variant and phase, repeated on its requests). Errored requests are dropped, and
+    so is the items phase (one request per item and value, for the decisions: no load phase).
+    phase_label: sequential, `<rate> req/s` (a rate the edit sustains) or `overload <rate> req/s`.
     """
     d = frame[frame["job"] == "serving"] if "job" in frame else frame.iloc[:0]
     if d.empty:
@@ -177,6 +180,8 @@ def serving_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
         return d.iloc[:0], "serving records lack the variant / ttft_s columns of experiments/serving.py"
     if "status" in d:
         d = d[d["status"] != "error"]
+    if "phase" in d:
+        d = d[d["phase"] != "items"]
     ttft = to_float(d["ttft_s"])
     lower = to_float(d["ttft_lower_s"]) if "ttft_lower_s" in d else pd.Series(math.nan, index=d.index)
     censored = ttft.isna() & lower.notna()
@@ -189,7 +194,8 @@ def serving_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
         "hit": to_float(d[next((c for c in ("phase_hit_rate", "hit_rate") if c in d), "ttft_s")])
         if any(c in d for c in ("phase_hit_rate", "hit_rate")) else math.nan,
     })
-    out["phase_label"] = [p if p == "sequential" or not math.isfinite(r) else f"{r:g} req/s"
+    out["phase_label"] = [p if p == "sequential" or not math.isfinite(r) else
+                          f"overload {r:g} req/s" if p == "overload" else f"{r:g} req/s"
                           for p, r in zip(out["phase"], out["rate"])]
     return out, None
 

@@ -22,7 +22,7 @@ from analysis.figures import Skip
 NAME = "serving"
 TITLE = "Serving: TTFT CDF and prefix-cache hit rate, erratum vs in-prefix edit"
 NEEDS = "experiment serving"
-ARMS = {"erratum": "#1f77b4", "edit": "#d62728", "hoist": "#2ca02c"}
+ARMS = {"erratum": "#1f77b4", "edit": "#d62728", "edit_field": "#ff7f0e", "hoist": "#2ca02c"}
 PAPER_HIT = {"erratum": 0.985, "edit": 0.010}
 
 
@@ -71,8 +71,10 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         bx.set_title(f"{m}: prefix-cache hit rate")
         style.legend(bx, loc="center right", fontsize=6.5)
     caption = ("Left: empirical CDF of client TTFT per request, per prompt variant (edit: state rewritten in the "
-               "prefix; erratum: appended; hoist: field moved before the request) and phase; requests still "
-               "open at the phase cap are censored: their TTFT is a lower bound, so a censored quantile is too. "
+               "prefix, a new request id each time; edit_field: only the field rewritten; erratum: appended; "
+               "hoist: field moved before the request) and phase (sequential, rates the edit sustains, overload); "
+               "requests still open at the overload cap are censored: their TTFT is a lower bound, so a censored "
+               "quantile is too. "
                "n = requests. Right: prefix-cache hit rate of each phase (vLLM counters: hit / queried tokens "
                "over the phase; one ratio per phase, so no sampling CI). Dashed: paper (another model and machine).")
     runs = frame[frame["job"] == "serving"]
