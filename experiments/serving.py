@@ -163,24 +163,29 @@ class _Session:
         return {"model": self.name, "prompt": prompt, "temperature": 0.0,
                 "max_tokens": max_tokens or self.cfg.max_tokens}
 
-    def one(self, prompt: str, max_tokens: int | None = None) -> tuple[client.Completion, dict[str, float], bool]:
-        """A request on an idle server: its result, its counter deltas, whether it was new."""
+    def one(self, prompt: str, max_tokens: int | None = None
+            ) -> tuple[client.Completion, client.Counters, client.Counters, bool]:
+        """A request on an idle server: its result, the counters before and after, whether new."""
         first = self.first_seen(prompt)
         before = client.wait_idle(self.url, timeout=self.cfg.request_timeout_s)
         res = client.complete_one(self.url, self.body(prompt, max_tokens), self.cfg.request_timeout_s)
-        return res, client.wait_idle(self.url, timeout=self.cfg.request_timeout_s) - before, first
+        return res, before, client.wait_idle(self.url, timeout=self.cfg.request_timeout_s), first
 
-    def sequence(self, texts: Sequence[str]) -> tuple[list[tuple[client.Sent, dict[str, float], bool]], float]:
+    def sequence(self, texts: Sequence[str]
+                 ) -> tuple[list[tuple[client.Sent, dict[str, float], bool]], float, dict[str, float]]:
+        """`texts` one at a time: per request (sent, its counter deltas, new?), the wall time,
+        and the counter deltas over all of them (hit rate, the server's TTFT)."""
         t0 = time.monotonic()
-        out = []
+        out, snaps = [], []
         for i, text in enumerate(texts):
             at = time.monotonic() - t0
-            res, delta, first = self.one(text)
-            out.append((client.Sent(i, at, res), delta, first))
-        return out, time.monotonic() - t0
+            res, before, after, first = self.one(text)
+            out.append((client.Sent(i, at, res), after - before, first))
+            snaps += [before, after]
+        return out, time.monotonic() - t0, (snaps[-1] - snaps[0]) if snaps else {}
 
     def warm(self, prompt: str) -> None:
-        res, _, _ = self.one(prompt, max_tokens=1)
+        res, _, _, _ = self.one(prompt, max_tokens=1)
         if res.status != "ok":
             raise RuntimeError(f"warm-up request failed: {res.error}")
 
@@ -227,16 +232,12 @@ def items_unit(sess: _Session, p: Prompts, j: int) -> list[dict[str, Any]]:
     """Item j: its live context prefilled (variant `live`, value old), then each decision variant
     and value once, one at a time."""
     cfg = sess.cfg
-    live, delta, first = sess.one(p.item.old_text)
+    live, before, after, first = sess.one(p.item.old_text)
     plan = [(v, w) for v in cfg.decision_variants for w in cfg.decision_values]
     rids = [request_id(PHASE_NUMBER["items"], 20 * j + m + 1) for m in range(len(plan))]
     texts = [p.build(v, w, rid) for (v, w), rid in zip(plan, rids)]
-    sent, wall = sess.sequence(texts)
-    counts: dict[str, float] = {}
-    for k in ("hit_tokens", "query_tokens"):
-        counts[k] = math.fsum(d[k] for _, d, _ in sent)
-    counts["hit_rate"] = counts["hit_tokens"] / counts["query_tokens"] if counts["query_tokens"] > 0 else math.nan
-    rows = [_row(p, client.Sent(0, 0.0, live), "old", "", p.item.old_text, first, delta,
+    sent, wall, counts = sess.sequence(texts)  # counts: over the decision requests, not `live`
+    rows = [_row(p, client.Sent(0, 0.0, live), "old", "", p.item.old_text, first, after - before,
                  _base("items", "live", j, math.nan, math.nan, "client", live.latency_s, 1, counts, sess))]
     for (s, d, f), (v, w), rid, text in zip(sent, plan, rids, texts):
         s.index += 1
@@ -249,9 +250,7 @@ def sequential_unit(sess: _Session, p: Prompts, variant: str, j: int) -> list[di
     k = PHASE_NUMBER["sequential"]
     sess.warm(p.warm(variant))
     texts = [p.build(variant, which_of(i), request_id(k, i)) for i in range(sess.cfg.n_sequential)]
-    sent, wall = sess.sequence(texts)
-    counts = {key: math.fsum(d[key] for _, d, _ in sent) for key in ("hit_tokens", "query_tokens")}
-    counts["hit_rate"] = counts["hit_tokens"] / counts["query_tokens"] if counts["query_tokens"] > 0 else math.nan
+    sent, wall, counts = sess.sequence(texts)
     base = _base("sequential", variant, j, math.nan, math.nan, "client", wall, len(texts), counts, sess)
     return [_row(p, s, which_of(s.index), request_id(k, s.index), texts[s.index], f, d, base) for s, d, f in sent]
 

@@ -682,6 +682,8 @@ def test_experiment_runs_every_phase_against_the_stand_in_server(tmp_path):
     assert set(recs.loc[recs["phase"] == "items", "variant"]) == {"live", "edit", "erratum"}
     assert len(recs[recs["phase"] == "items"]) == 3 * 5 and recs["served_model"].eq("tiny-llama").all()
     assert (recs.loc[recs["variant"] == "edit_field", "request_id"].str.startswith("RQ-")).all()
+    seq = recs[(recs["phase"] == "sequential") & (recs["variant"] == "erratum")]
+    assert seq["phase_hit_tokens"].iloc[0] == seq["hit_tokens"].sum() > 0  # phase = its requests' sum
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "completed"
     from analysis.aggregate import serving_view
 
