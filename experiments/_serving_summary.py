@@ -22,6 +22,22 @@ from experiments._serving_prompts import VALUES, VARIANTS
 from kvnotes.metrics import prop_dict
 
 Row = Mapping[str, Any]
+MEASURES = {  # summary.json carries this: what each number of results / ratios / decisions is
+    "hit_rate": "prefix-cache hit tokens / queried prompt tokens, vLLM's counters, over the phase's requests",
+    "ttft_p50_s / ttft_p90_s / ttft_p99_s": "client time to first streamed token (s), quantile over "
+    "requests; censored requests at their lower bound (cap - arrival), then marked ttft_is_lower_bound",
+    "throughput": "completed requests per second of the phase (to the last completion, or to the cap)",
+    "offered_load": "rate x S: the in-prefix edit's utilization at this rate (S = edit_service_s)",
+    "n_censored / n_unsent": "requests cancelled at the overload cap / scheduled after it and not sent",
+    "n_repeat, ttft_p50_repeat_s, hit_rate_repeat": "requests whose exact prompt this server had "
+    "already been sent (edit_field once both values were seen), their median TTFT and hit rate",
+    "decision_agreement": "share of requests whose decision equals the in-prefix edit's on the same "
+    "request (same index; items: same item and value)",
+    "p_correct": "share of requests whose decision is the one the requested field value requires",
+    "ratios.*_ratio": "edit / variant TTFT quantile; a lower bound where ratio_is_lower_bound",
+    "decisions.p_correct.<variant>.<value>": "P(correct) over items, Wilson 95 %; live = unchanged context",
+    "edit_service_s": "median latency (s) of the edit's sequential requests: its service time S",
+}
 ORDER = ("items", "sequential")  # then the sustained rates (ascending), then overload
 
 
@@ -207,7 +223,7 @@ def summarize(records: Sequence[Row], length: int, block_size: int, model: str =
         "field_sensitive": sensitive, "reading": reading(model, sensitive, dec),
         "startup_s": _q([_f(r["startup_s"]) for r in rows], 50),
         "edit_service_s": service_time(rows),
-        "decisions": dec, "results": results, "ratios": ratios,
+        "decisions": dec, "results": results, "ratios": ratios, "measures": MEASURES,
         "p90_ratio": {k: v["p90_ratio"] for k, v in ratios.get("erratum", {}).items()},
         "table": table(results, ratios),
     }
