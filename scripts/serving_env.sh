@@ -21,6 +21,7 @@ check() {
   "$VENV/bin/python" - <<'PY' >/dev/null 2>&1
 import importlib.metadata as md
 import vllm.entrypoints.openai.api_server  # noqa: F401  (the module the benchmark starts)
+import pandas  # noqa: F401  (vllm bench serve reads the prompts with it)
 print(md.version("torch"))
 PY
 }
@@ -54,10 +55,11 @@ for req in meta.get_all("Requires-Dist") or []:
     print(req)
 PY
   echo "$TORCH" >"$work/constraints.txt"
-  pip_ install -c "$work/constraints.txt" "$TORCH" -r "$work/requirements.txt"
+  # pandas: vLLM's `bench` extra, which `vllm bench serve` needs to read our prompts (experiment serving)
+  pip_ install -c "$work/constraints.txt" "$TORCH" -r "$work/requirements.txt" pandas
   pip_ install --no-deps "$wheel"
 else
-  pip_ install "$VLLM"
+  pip_ install "$VLLM" pandas
 fi
 
 check || { echo "serving env: vllm does not import in $VENV" >&2; exit 1; }
