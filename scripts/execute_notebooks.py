@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the library beside it
 ON_MODEL = {"01_quickstart", "03_edit_and_compose"}  # the notebooks that load a model
 
 
