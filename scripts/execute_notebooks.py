@@ -23,17 +23,15 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the library be
 ON_MODEL = {"01_quickstart", "03_edit_and_compose"}  # the notebooks that load a model
 
 
-def execute(path: Path, model: str, timeout: int) -> None:
+def execute(path: Path, model: str, timeout: int, git: dict[str, object]) -> None:
+    """Run one notebook in place; `git`: the state of the checkout before any notebook was written."""
     import nbformat
     from nbclient import NotebookClient
-
-    from kvnotes.provenance import git_state
 
     book = nbformat.read(path, as_version=4)
     os.environ["KVNOTES_NB_MODEL"] = model
     NotebookClient(book, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT)}}).execute()
-    git = git_state(ROOT)
     book.metadata["kvnotes"] = {
         "model": model if path.stem in ON_MODEL else None,
         "results": "results/reference" if path.stem == "02_explore_results" else None,
@@ -57,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(paths) != len(a.names):
             print(f"error: unknown notebook in {a.names}", file=sys.stderr)
             return 2
+    from kvnotes.provenance import git_state
+
+    git = git_state(ROOT)  # before the first notebook is written back
     for path in paths:
-        execute(path, a.model, a.timeout)
+        execute(path, a.model, a.timeout, git)
     return 0
 
 
