@@ -21,6 +21,7 @@ from experiments import _vllm_bench as vbench
 from experiments import _vllm_client as client
 from experiments import _vllm_server as server
 from experiments import serving as exp
+from experiments.agent import common_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-serving" / "bin" / "python"
@@ -186,12 +187,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
 
 
 def _common(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return common_prefix(list(a), list(b))  # the stand-in's prefix cache: shared leading characters
 
 
 def stand_in(per_miss_s: float = 0.0):
