@@ -16,7 +16,6 @@ Two bounds on `task.length` (L tokens per prompt, n items):
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,16 +113,15 @@ def estimate(n_items: int, length: int, shape: ModelShape | None, dtype_bytes: i
 
 def machine_bytes(device: str) -> tuple[int | None, str]:
     """Memory of the device the forward passes run on (RAM for CPU), and its name."""
-    if device.startswith("cuda"):
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-            return int(torch.cuda.get_device_properties(index).total_memory), f"GPU {index}"
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine"
-    except (ValueError, OSError, AttributeError):
-        return None, "this machine"
+    from kvnotes.timing import total_bytes
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        return total_bytes(torch.device("cuda", index)), f"GPU {index}"
+    return total_bytes("cpu"), "this machine"
 
 
 def human(n: float) -> str:
