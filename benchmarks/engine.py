@@ -23,6 +23,9 @@ its own `update`, with the model's own attention. It is checked against a FLOP e
 
     python -m benchmarks.engine --model llama --lengths 1000,2000,4000,8000 --reps 5 --json out.json
 
+`--profile DIR` runs the erratum and full_downstream paths once more per length under
+torch.profiler (untimed) and writes their operator tables to DIR; the top entries go in the JSON.
+
 Machines are noisy: read the ratios, not the seconds. On a CPU shared with other jobs, OpenMP's
 spinning waits stall small parallel regions for tens of ms; this command sets
 OMP_WAIT_POLICY=PASSIVE unless the environment sets it (recorded in the JSON).
@@ -74,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall time (device-synchronised), or the process' CPU time: on a CPU shared "
                         "with other jobs the steadier measure of the work done")
     p.add_argument("--json", default=None, help="write one object per length to this file")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, run erratum and full_downstream once more under torch.profiler "
+                        "and write their operator tables (top entries by self time) to DIR")
     a = p.parse_args(argv)
     try:
         a.lengths = [int(x) for x in str(a.lengths).split(",") if x.strip()]
@@ -252,6 +258,34 @@ def multiblock_paths(model: Any, length: int, store: Path) -> tuple[list[Timed],
     return _composed(model, store, prefix, blocks, question, "multi")
 
 
+# --- profile ---------------------------------------------------------------------------------
+
+PROFILED = ("erratum", "full_downstream")
+
+
+def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> dict[str, list[dict[str, Any]]]:
+    """One untimed call of each PROFILED path under torch.profiler: its operator table, sorted by
+    self time, goes to OUT/L<length>_<path>.txt; the top entries come back for the JSON."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    out.mkdir(parents=True, exist_ok=True)
+    tops: dict[str, list[dict[str, Any]]] = {}
+    for p in paths:
+        if p.name not in PROFILED:
+            continue
+        with profile(activities=activities) as prof:
+            p.fn()
+        averages = prof.key_averages()
+        (out / f"L{length}_{p.name}.txt").write_text(averages.table(sort_by=key, row_limit=40))
+        total = sum(e.self_cpu_time_total for e in averages) or 1.0
+        rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        tops[p.name] = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                         "self_cpu_share": e.self_cpu_time_total / total} for e in rows]
+    return tops
+
+
 # --- timing -----------------------------------------------------------------------------------
 
 
@@ -304,6 +338,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
             ("extend1_ratio", "extend1", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
             ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
+            ("erratum_flop_floor", "flop floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"),
             ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
             ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("map_ratio", "map", "{:.2f}")]
@@ -347,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
                 info.update(i)
             run_rounds(paths, a.reps, a.warmup, model.device, a.clock)
             rows.append({**summarize(n, paths, info), **meta})
+            if a.profile:
+                rows[-1]["profile"] = profile_paths(paths, n, Path(a.profile))
+                for name, top in rows[-1]["profile"].items():
+                    print(f"profile L={n} {name}: " + "; ".join(
+                        f"{e['op']} {100 * e['self_cpu_share']:.0f}%" for e in top[:6]), flush=True)
             print(table(rows[-1:]), flush=True)
     print("\n" + table(rows))
     if a.json:

@@ -53,3 +53,16 @@ def test_rounds_interleave_after_warmup():
     engine.run_rounds(paths, reps=2, warmup=1, device=torch.device("cpu"))
     assert order == list("abc") + list("bca") + list("cab")
     assert all(len(p.times) == 2 for p in paths)
+
+
+def test_profile_writes_the_operator_table_of_the_profiled_paths(tmp_path):
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    paths = [engine.Timed("erratum", lambda: a @ b), engine.Timed("prefill", lambda: a + b),
+             engine.Timed("full_downstream", lambda: torch.softmax(a @ b, -1))]
+    tops = engine.profile_paths(paths, 2000, tmp_path / "prof", top=3)
+    assert set(tops) == {"erratum", "full_downstream"}  # prefill is not profiled
+    assert any("mm" in e["op"] for e in tops["erratum"])
+    assert any("softmax" in e["op"] for e in tops["full_downstream"])
+    assert all(0 <= e["self_cpu_share"] <= 1 for t in tops.values() for e in t) and len(tops["erratum"]) <= 3
+    assert sorted(f.name for f in (tmp_path / "prof").iterdir()) == ["L2000_erratum.txt", "L2000_full_downstream.txt"]
+    assert "Self CPU" in (tmp_path / "prof" / "L2000_erratum.txt").read_text()
