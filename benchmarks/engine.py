@@ -110,26 +110,9 @@ def forward_flops(model: Any, q: int, past: int, logits: int = 1) -> float:
     return float(2 * q * linear + attn + head)
 
 
-# --- the limit, outside kvnotes' call path ---------------------------------------------------
+# --- the limit, outside kvnotes' call path (kvnotes.limit) ------------------------------------
 
-
-def bare_cache(context: Any) -> Any:
-    """A transformers DynamicCache holding `context` (a KVCache), filled by its own update."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(zip(context.keys, context.values)):
-        cache.update(k.contiguous(), v.contiguous(), i)
-    return cache
-
-
-@torch.inference_mode()
-def bare_forward(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
-    """The question against `cache` with transformers alone; returns last-position logits."""
-    past = cache.get_seq_length()
-    pos = torch.arange(past, past + ids.shape[1], device=model.device)[None]
-    out = model.hf(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].float()
+from kvnotes.limit import bare_cache, bare_forward  # noqa: E402
 
 
 def drop_page_cache(path: Path) -> bool:

@@ -4,13 +4,17 @@ For each skill length L a skill block of exactly L tokens is precompiled (prefil
 saved to the store), and three paths to the first token of a question are timed side by side in
 one process, alternating their order every repeat:
 
-* full prefill: system prefix + skill + question from scratch, O(L^2) attention + O(L) MLP;
-* transplant: load the block from the store (mmap), rotate its keys by the prefix length into a
-  buffer after the cached system prefix, recompute `seam` tokens, prefill the question, O(L);
-* the limit: prefill only the question against an already cached prefix + skill context.
+* full prefill: skill + question after the cached system prefix, O(L^2) attention + O(L) MLP
+  (the shared system prefix is cached on every path, as a server would keep it);
+* transplant: load the block from the store (mmap, content hash checked) inside the timed
+  region, rotate its keys by the prefix length into a buffer after the cached system prefix,
+  then the `seam` repaired tokens and the question in one forward (compose.transplant_extend);
+* the limit: only the question against an already cached prefix + skill context, forwarded by
+  transformers alone over its own DynamicCache (kvnotes.limit), so that it carries none of
+  kvnotes' own call path; the cache is rebuilt untimed before each call.
 
 speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
-limit (it adds the load, one rotation per layer and the seam forward). Every timed region is
+limit (it adds the load, one rotation per layer and the seam tokens). Every timed region is
 device-synchronised; peak memory is torch.cuda.max_memory_allocated on CUDA, the rise of the
 process' peak RSS during each path on CPU (Linux clear_refs). Medians over repeats, with
 bootstrap CIs of the per-repeat paired ratios.
@@ -139,6 +143,7 @@ def one_length(
     """
     from kvnotes import compose
     from kvnotes import run as engine
+    from kvnotes.limit import bare_cache, bare_forward
     from kvnotes.store import block_path, load_block, save_block
     from kvnotes.timing import timed
 
@@ -157,7 +162,7 @@ def one_length(
     state: dict[str, Any] = {}
 
     def full() -> torch.Tensor:
-        step = engine.prefill(model, prefix + block + question)
+        step = engine.extend(model, prefix_cache, block + question)
         if "context" not in state:  # the limit's already cached context: prefix + skill
             state["context"] = step.cache.slice(0, len(prefix) + len(block))
         return step.logits[0, -1]
@@ -168,16 +173,15 @@ def one_length(
                 blk = load_block(path, model)
             parts["load_s"] = clock.seconds
             with timed(model.device) as clock:
-                cache = compose.transplant(model, prefix_cache, blk, seam)
-            parts["splice_s"] = clock.seconds
-            with timed(model.device) as clock:
-                logits = engine.extend(model, cache, question).logits[0, -1]
-            parts["question_s"] = clock.seconds
+                logits = compose.transplant_extend(model, prefix_cache, blk, seam, question).logits[0, -1]
+            parts["splice_question_s"] = clock.seconds
             return logits
         return go
 
+    question_t = torch.tensor([question], device=model.device)
+
     def limit() -> torch.Tensor:
-        return engine.extend(model, state["context"], question).logits[0, -1]
+        return bare_forward(model, state.pop("bare"), question_t)
 
     paths: list[tuple[str, int | None, Callable[[], torch.Tensor]]] = [
         ("full", None, full), ("transplant", cfg.seam, transplant(cfg.seam)), ("limit", None, limit),
@@ -189,6 +193,8 @@ def one_length(
         order = paths[r % len(paths):] + paths[: r % len(paths)]
         for name, seam, fn in order:
             parts.clear()
+            if name == "limit":  # a forward extends a DynamicCache in place: a fresh one, untimed
+                state["bare"] = bare_cache(state["context"])
             logits, seconds, peak = measure(fn, model.device)
             if name == "full" and ref is None:
                 ref = logits
@@ -238,7 +244,7 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
             "limit_speedup_ci": ci_dict(f[:n] / m[:n], cfg.n_boot),
             "speedup_min": float(f.min() / x.min()), "limit_speedup_min": float(f.min() / m.min()),
             "n_repeats": int(n),
-            "transplant_parts_s": {k: float(tp[k].median()) for k in ("load_s", "splice_s", "question_s")},
+            "transplant_parts_s": {k: float(tp[k].median()) for k in ("load_s", "splice_question_s")},
             "peak_mb": {"full": float(full["peak_mb"].median()), "transplant": float(tp["peak_mb"].median()),
                         "limit": float(lim["peak_mb"].median())},
             "kv_mb": float(g["kv_mb"].iloc[0]), "store_mb": float(g["store_mb"].iloc[0]),

@@ -138,6 +138,8 @@ def test_scaling_one_length_and_summary(tmp_path, model):
     assert not list((tmp_path / "store").glob("*.safetensors"))  # not kept by default
     exact = [r for r in t if r["path"] == "transplant" and r["seam"] == EXACT]
     assert all(r["cosine"] > 1 - 1e-5 and r["first_token_agree"] for r in exact)
+    limit = [r for r in t if r["path"] == "limit"]  # transformers alone over the same context
+    assert len(limit) == 2 and all(r["cosine"] > 1 - 1e-5 and r["first_token_agree"] for r in limit)
     summary = exp.summarize(rows, ctx.params)
     for n in ("48", "96"):
         row = summary["lengths"][n]
@@ -145,6 +147,7 @@ def test_scaling_one_length_and_summary(tmp_path, model):
             assert row[key] > 0
         assert row["n_repeats"] == 1 and row["kv_mb"] > 0 and row["store_mb"] > 0
         assert f"transplant_s@{EXACT}" in row and "paper_speedup" in row
+        assert set(row["transplant_parts_s"]) == {"load_s", "splice_question_s"}
 
 
 def test_skill_ids_have_the_exact_length(model):
