@@ -371,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"profile L={n} {name}: " + "; ".join(
                         f"{e['op']} {100 * e['self_cpu_share']:.0f}%" for e in top[:6]), flush=True)
             print(table(rows[-1:]), flush=True)
+            if a.json:  # after every length: a run cut short keeps the lengths it finished
+                Path(a.json).write_text(json.dumps(rows, indent=1))
     print("\n" + table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 
