@@ -24,6 +24,7 @@ import pandas as pd
 
 from analysis import load
 from analysis.aggregate import model_label, reference, to_float
+from analysis.blend_section import blend_section
 from analysis.claims import all_claims, band, verdict
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
 
@@ -234,7 +235,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
             body += [f"Figure `{fig}` skipped: {skipped[fig]}.", ""]
     lines += ["## Verdicts at a glance", "", "| verdict | claims x models |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
-    lines += ["## Claims", "", *body]
+    lines += ["## Claims", "", *body, *blend_section(frame)]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs from a dirty tree", "", *dirty_section(frame), "",
                   "## Cross-check against summary.json", "",

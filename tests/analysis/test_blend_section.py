@@ -1,0 +1,53 @@
+"""analysis.blend_section: the report's head-to-head tables, read from blend summaries."""
+
+import json
+
+import pandas as pd
+
+from analysis.blend_section import blend_section
+
+
+def _m(mean, lo=None, hi=None):
+    return {"mean": mean, "ci_lo": mean if lo is None else lo, "ci_hi": mean if hi is None else hi, "n": 12}
+
+
+def _summary(cos15):
+    methods = {
+        "full": {"recompute_fraction": 1.0, "cosine": _m(1.0), "task_score": _m(0.5), "ttft_ratio": _m(1.0)},
+        "naive": {"recompute_fraction": 0.0, "cosine": _m(0.9, 0.85, 0.95), "task_score": _m(0.4), "ttft_ratio": _m(0.1)},
+        "seam@2": {"recompute_fraction": 0.01, "cosine": _m(0.95), "task_score": _m(0.5), "ttft_ratio": _m(0.2)},
+        "seam@4": {"recompute_fraction": 0.02, "cosine": _m(0.951), "task_score": _m(0.5), "ttft_ratio": _m(0.2)},
+        "cacheblend@15%": {"recompute_fraction": 0.15, "cosine": _m(cos15, 0.97, 0.99), "task_score": _m(0.5),
+                           "ttft_ratio": _m(0.4)},
+    }
+    return {"workloads": {"skills": {"n_items": 12, "methods": methods,
+                                     "frontier": {"0.15": {"cosine": {"name": "cacheblend@15%", "value": cos15}}},
+                                     "within_1pct_at_15pct": ["seam@2", "cacheblend@15%"]}}}
+
+
+def _frame(tmp_path, runs):
+    rows = []
+    for run_id, model, summary in runs:
+        d = tmp_path / run_id
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(summary))
+        rows.append({"job": "blend", "run_id": run_id, "model": model, "run_path": str(d)})
+    rows.append({"job": "patching", "run_id": "patching/llama/x", "model": "llama", "run_path": str(tmp_path)})
+    return pd.DataFrame(rows)
+
+
+def test_the_section_shows_15_percent_methods_seams_and_the_newest_run_per_model(tmp_path):
+    frame = _frame(tmp_path, [("blend/llama/2026-01-01", "llama", _summary(0.970)),
+                              ("blend/llama/2026-01-02", "llama", _summary(0.981))])
+    text = "\n".join(blend_section(frame))
+    assert text.count("### ") == 1 and "blend/llama/2026-01-02" in text  # the newest run only
+    assert "| cacheblend@15% | 0.150 | 0.981 [0.970, 0.990] |" in text
+    assert "| seam@2 |" in text and "| seam@4 |" not in text  # K = 2, 8, 32 only
+    assert "| naive | 0.000 | 0.900 [0.850, 0.950] |" in text and "| full |" in text
+    assert "<= 15%: cosine cacheblend@15% (0.981)" in text
+    assert "task score (0.500) at <= 15 %: seam@2, cacheblend@15%" in text
+
+
+def test_no_blend_run_no_section(tmp_path):
+    assert blend_section(pd.DataFrame()) == []
+    assert blend_section(_frame(tmp_path, [])) == []
