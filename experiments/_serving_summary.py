@@ -222,6 +222,7 @@ def summarize(records: Sequence[Row], length: int, block_size: int, model: str =
         "item_id": rows[0]["item_id"] if rows else None, "length": length, "block_size": block_size,
         "field_sensitive": sensitive, "reading": reading(model, sensitive, dec),
         "startup_s": _q([_f(r["startup_s"]) for r in rows], 50),
+        "served_dtype": next((str(r["served_dtype"]) for r in rows if r.get("served_dtype")), None),
         "edit_service_s": service_time(rows),
         "decisions": dec, "results": results, "ratios": ratios, "measures": MEASURES,
         "p90_ratio": {k: v["p90_ratio"] for k, v in ratios.get("erratum", {}).items()},

@@ -14,8 +14,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from experiments import _vllm_bench as vbench
 from experiments import _vllm_client as client
@@ -558,12 +560,19 @@ def test_config_refuses_bad_values():
     for bad in ({"variants": ["erratum"]}, {"length": 8100, "max_model_len": 8192}, {"rates": [0.0]},
                 {"decision_variants": ["erratum"]}, {"decision_values": ["old"]}, {"variants": ["edit", "rewrite"]},
                 {"utilizations": [1.0]}, {"overload_factor": 1.0}, {"overload_rate": 0.0},
-                {"poisson_driver": "locust"}, {"n_items": -1}, {"n_sequential": 0}):
+                {"poisson_driver": "locust"}, {"n_items": -1}, {"n_sequential": 0}, {"dtype": "fp8"}):
         with pytest.raises(ValueError):
             exp.ServingConfig(**(ok | bad))
     # without a sequential phase, rates and the overload rate must be given
     exp.ServingConfig(**ok, n_sequential=0, rates=[0.1], overload_rate=1.0)
     exp.ServingConfig(**ok, n_sequential=0, rates=[0.1], overload=False)
+
+
+def test_served_dtype_is_the_loaded_one_unless_set():
+    ctx = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32))
+    cfg = exp.ServingConfig(length=1000, max_model_len=2048, dtype="auto")
+    assert exp.served_dtype(ctx, cfg) == "float32"  # type: ignore[arg-type]
+    assert exp.served_dtype(ctx, exp.ServingConfig(length=1000, max_model_len=2048)) == "bfloat16"  # type: ignore[arg-type]
 
 
 # --- vLLM's bench serve ------------------------------------------------------------------------

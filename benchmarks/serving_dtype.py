@@ -1,0 +1,79 @@
+"""Which dtype does vLLM serve faster on this machine? One server per dtype, the same prompts.
+
+    python -m benchmarks.serving_dtype --model qwen-1.5b --tokens 2000 --reps 4
+
+Each dtype gets its own vLLM server (the serving venv, `bash scripts/serving_env.sh`), started
+and always stopped; `reps` distinct prompts of about `tokens` words, each sent once (no prefix
+cache hit), 4 generated tokens, greedy; TTFT by wall clock from the request to the first token.
+Prints the median TTFT per dtype and the ratio. The serving experiment's default dtype
+(experiments/serving.py) comes from this measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from experiments import _vllm_client as client  # noqa: E402
+from experiments import _vllm_server as server  # noqa: E402
+from kvnotes.models import weights  # noqa: E402
+
+WORDS = "alpha river stone cloud maple ticket harbor lantern copper violet meadow signal garden window".split()
+
+
+def prompt(i: int, tokens: int) -> str:
+    rnd = random.Random(i)
+    return f"Request {i}. " + " ".join(rnd.choice(WORDS) for _ in range(tokens))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen-1.5b")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--python", default=str(ROOT / ".venv-serving/bin/python"))
+    p.add_argument("--log-dir", default="results/runs/serving_dtype")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    if not Path(a.python).exists():
+        print(f"error: {a.python} not found; run `bash scripts/serving_env.sh` first", file=sys.stderr)
+        return 2
+    path = weights.prepare(a.model)
+    out: dict[str, dict[str, object]] = {}
+    for dtype in a.dtypes.split(","):
+        spec = server.ServerSpec(python=a.python, model_path=str(path), served_name="m", dtype=dtype,
+                                 max_model_len=a.tokens + 2048)
+        s = server.Server(spec, Path(a.log_dir) / f"{a.model}_{dtype}.log")
+        try:
+            s.start()
+            ttft = []
+            for i in range(a.reps):
+                c = client.complete_one(s.url, {"model": "m", "prompt": prompt(i, a.tokens), "max_tokens": 4,
+                                                "temperature": 0})
+                if c.status != "ok":
+                    raise RuntimeError(f"{dtype}: request {i}: {c.error}")
+                ttft.append(c.ttft_s)
+            out[dtype] = {"startup_s": s.startup_s, "ttft_s": ttft, "median_s": statistics.median(ttft)}
+            print(f"{a.model} {dtype}: TTFT median {statistics.median(ttft):.2f} s over {a.reps} prompts "
+                  f"of ~{a.tokens} words (min {min(ttft):.2f}, max {max(ttft):.2f})", flush=True)
+        finally:
+            s.stop()
+    meds = {d: float(v["median_s"]) for d, v in out.items()}  # type: ignore[arg-type]
+    if len(meds) == 2:
+        (d1, m1), (d2, m2) = meds.items()
+        print(f"ratio {d1}/{d2}: {m1 / m2:.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
