@@ -5,18 +5,17 @@ in the issue (within 1 % of full-prefill task score at <= 15 % recompute)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from analysis.aggregate import model_label
+from analysis.load import newest_summaries
 
 SEAMS_SHOWN = (2, 8, 32)  # seam repair K read out beside the 15 % budget
 
 
-def _ci(v: Any, digits: int = 3) -> str:
+def ci_cell(v: Any, digits: int = 3) -> str:
     if isinstance(v, dict) and v.get("mean") is not None:
         return f"{v['mean']:.{digits}f} [{v['ci_lo']:.{digits}f}, {v['ci_hi']:.{digits}f}]"
     return f"{v:.{digits}f}" if isinstance(v, (int, float)) else "-"
@@ -26,25 +25,10 @@ def _mean(v: Any) -> float | None:
     return v.get("mean") if isinstance(v, dict) else v if isinstance(v, (int, float)) else None
 
 
-def _newest_blend_runs(frame: pd.DataFrame) -> list[tuple[str, str, dict[str, Any]]]:
-    if frame.empty or "job" not in frame:
-        return []
-    runs = frame[frame["job"] == "blend"].drop_duplicates("run_id").sort_values("run_id")
-    out: dict[str, tuple[str, str, dict[str, Any]]] = {}
-    for r in runs.itertuples():
-        path = Path(str(getattr(r, "run_path", ""))) / "summary.json"
-        try:
-            summary = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        out[str(r.model)] = (str(r.model), str(r.run_id), summary)  # newest per model wins
-    return list(out.values())
-
-
 def blend_section(frame: pd.DataFrame) -> list[str]:
     """Markdown lines: per model and workload, the methods at a 15 % budget and seam K = 2, 8, 32,
     and the frontier per budget; [] when no blend run was read."""
-    runs = _newest_blend_runs(frame)
+    runs = newest_summaries(frame, "blend")
     if not runs:
         return []
     lines = ["## Cache reuse head to head (beyond the paper)", "",
@@ -65,9 +49,9 @@ def blend_section(frame: pd.DataFrame) -> list[str]:
                      or n in {f"seam@{k}" for k in SEAMS_SHOWN}]
             for name in shown:
                 m = methods[name]
-                lines.append(f"| {name} | {_ci(m.get('recompute_fraction'))} | {_ci(m.get('cosine'))} | "
-                             f"{_ci(m.get('top1_agree'), 2)} | {_ci(m.get('decision_agree'), 2)} | "
-                             f"{_ci(m.get('task_score'))} | {_ci(m.get('ttft_ratio'), 2)} |")
+                lines.append(f"| {name} | {ci_cell(m.get('recompute_fraction'))} | {ci_cell(m.get('cosine'))} | "
+                             f"{ci_cell(m.get('top1_agree'), 2)} | {ci_cell(m.get('decision_agree'), 2)} | "
+                             f"{ci_cell(m.get('task_score'))} | {ci_cell(m.get('ttft_ratio'), 2)} |")
             front = w.get("frontier") or {}
             cells = []
             for budget, best in front.items():

@@ -196,3 +196,20 @@ def select(frame: pd.DataFrame, job: str, tasks: Sequence[str] | None = None) ->
                 keep.append(g[g["task"] == t])
                 break
     return pd.concat(keep) if keep else df.iloc[:0]
+
+
+def newest_summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(model, run_id, summary.json) of the newest `job` run per model among the frame's runs; runs
+    whose summary.json is missing or unreadable are skipped."""
+    if frame.empty or "job" not in frame:
+        return []
+    runs = frame[frame["job"] == job].drop_duplicates("run_id").sort_values("run_id")
+    out: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for r in runs.itertuples():
+        path = Path(str(getattr(r, "run_path", ""))) / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        out[str(r.model)] = (str(r.model), str(r.run_id), summary)  # newest per model wins
+    return list(out.values())

@@ -27,6 +27,7 @@ from analysis.aggregate import model_label, reference, to_float
 from analysis.blend_section import blend_section
 from analysis.claims import all_claims, band, verdict
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
+from analysis.distance_section import distance_section
 
 # --- cells --------------------------------------------------------------------------------------
 
@@ -235,7 +236,8 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
             body += [f"Figure `{fig}` skipped: {skipped[fig]}.", ""]
     lines += ["## Verdicts at a glance", "", "| verdict | claims x models |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
-    lines += ["## Claims", "", *body, *blend_section(frame)]
+    dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
+    lines += ["## Claims", "", *body, *blend_section(frame), *distance_section(frame, dist_png)]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs from a dirty tree", "", *dirty_section(frame), "",
                   "## Cross-check against summary.json", "",
