@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = weights.prepare(a.model)
     out: dict[str, dict[str, object]] = {}
+    meds: dict[str, float] = {}
     for dtype in a.dtypes.split(","):
         spec = server.ServerSpec(python=a.python, model_path=str(path), served_name="m", dtype=dtype,
                                  max_model_len=a.tokens + 2048)
@@ -61,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                 if c.status != "ok":
                     raise RuntimeError(f"{dtype}: request {i}: {c.error}")
                 ttft.append(c.ttft_s)
-            out[dtype] = {"startup_s": s.startup_s, "ttft_s": ttft, "median_s": statistics.median(ttft)}
-            print(f"{a.model} {dtype}: TTFT median {statistics.median(ttft):.2f} s over {a.reps} prompts "
+            meds[dtype] = statistics.median(ttft)
+            out[dtype] = {"startup_s": s.startup_s, "ttft_s": ttft, "median_s": meds[dtype]}
+            print(f"{a.model} {dtype}: TTFT median {meds[dtype]:.2f} s over {a.reps} prompts "
                   f"of ~{a.tokens} words (min {min(ttft):.2f}, max {max(ttft):.2f})", flush=True)
         finally:
             s.stop()
-    meds = {d: float(v["median_s"]) for d, v in out.items()}  # type: ignore[arg-type]
     if len(meds) == 2:
         (d1, m1), (d2, m2) = meds.items()
         print(f"ratio {d1}/{d2}: {m1 / m2:.2f}")
