@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.aggregate import model_label
-from analysis.load import newest_summaries
+from analysis.load import summaries
 
 SEAMS_SHOWN = (2, 8, 32)  # seam repair K read out beside the 15 % budget
 
@@ -28,8 +28,11 @@ def _mean(v: Any) -> float | None:
 def blend_section(frame: pd.DataFrame) -> list[str]:
     """Markdown lines: per model and workload, the methods at a 15 % budget and seam K = 2, 8, 32,
     and the frontier per budget; [] when no blend run was read."""
-    runs = newest_summaries(frame, "blend")
-    if not runs:
+    newest: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}  # (model, workload) -> newest run
+    for model, run_id, s in summaries(frame, "blend"):
+        for wl, w in (s.get("workloads") or {}).items():
+            newest[(model, wl)] = (run_id, w)
+    if not newest:
         return []
     lines = ["## Cache reuse head to head (beyond the paper)", "",
              "Every method on the same items and blocks (`+experiment=blend`): each block prefilled alone "
@@ -39,28 +42,27 @@ def blend_section(frame: pd.DataFrame) -> list[str]:
              "ships, in its own venv; its fraction counts every token its engine ran. No method here "
              "needs the oracle. The target from the issue, fixed before these runs: within 1 % of "
              "full-prefill task score at <= 15 % recompute.", ""]
-    for model, run_id, s in runs:
-        for wl, w in (s.get("workloads") or {}).items():
-            methods = w.get("methods") or {}
-            lines += [f"### {model_label(model)}, {wl} ({w.get('n_items')} items; run `{run_id}`)", "",
-                      "| method | recompute | logit cosine | top-1 agree | decision agree | task score | TTFT ratio |",
-                      "|---|---|---|---|---|---|---|"]
-            shown = [n for n in methods if n in ("full", "naive") or "15%" in n
-                     or n in {f"seam@{k}" for k in SEAMS_SHOWN}]
-            for name in shown:
-                m = methods[name]
-                lines.append(f"| {name} | {ci_cell(m.get('recompute_fraction'))} | {ci_cell(m.get('cosine'))} | "
-                             f"{ci_cell(m.get('top1_agree'), 2)} | {ci_cell(m.get('decision_agree'), 2)} | "
-                             f"{ci_cell(m.get('task_score'))} | {ci_cell(m.get('ttft_ratio'), 2)} |")
-            front = w.get("frontier") or {}
-            cells = []
-            for budget, best in front.items():
-                parts = [f"{metric} {b['name']} ({b['value']:.3f})" for metric, b in best.items() if b]
-                cells.append(f"<= {float(budget):.0%}: " + ", ".join(parts))
-            lines += ["", "Frontier (best mean within each budget): " + "; ".join(cells) + "."]
-            ok = w.get("within_1pct_at_15pct")
-            if ok is not None:
-                full = _mean((methods.get("full") or {}).get("task_score"))
-                lines += [f"Not more than 1 % below full prefill's task score ({full:.3f}) at <= 15 %: "
-                          + (", ".join(ok) if ok else "none") + " (means; read with the CIs above).", ""]
+    for (model, wl), (run_id, w) in newest.items():
+        methods = w.get("methods") or {}
+        lines += [f"### {model_label(model)}, {wl} ({w.get('n_items')} items; run `{run_id}`)", "",
+                  "| method | recompute | logit cosine | top-1 agree | decision agree | task score | TTFT ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        shown = [n for n in methods if n in ("full", "naive") or "15%" in n
+                 or n in {f"seam@{k}" for k in SEAMS_SHOWN}]
+        for name in shown:
+            m = methods[name]
+            lines.append(f"| {name} | {ci_cell(m.get('recompute_fraction'))} | {ci_cell(m.get('cosine'))} | "
+                         f"{ci_cell(m.get('top1_agree'), 2)} | {ci_cell(m.get('decision_agree'), 2)} | "
+                         f"{ci_cell(m.get('task_score'))} | {ci_cell(m.get('ttft_ratio'), 2)} |")
+        front = w.get("frontier") or {}
+        cells = []
+        for budget, best in front.items():
+            parts = [f"{metric} {b['name']} ({b['value']:.3f})" for metric, b in best.items() if b]
+            cells.append(f"<= {float(budget):.0%}: " + ", ".join(parts))
+        lines += ["", "Frontier (best mean within each budget): " + "; ".join(cells) + "."]
+        ok = w.get("within_1pct_at_15pct")
+        if ok is not None:
+            full = _mean((methods.get("full") or {}).get("task_score"))
+            lines += [f"Not more than 1 % below full prefill's task score ({full:.3f}) at <= 15 %: "
+                      + (", ".join(ok) if ok else "none") + " (means; read with the CIs above).", ""]
     return lines

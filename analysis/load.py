@@ -68,8 +68,12 @@ def _margin(cfg: dict[str, Any]) -> float | None:
 
 
 def _variant(job: str | None, cfg: dict[str, Any]) -> str:
-    """What sets a run apart from others of its job, model, task and seed: "cot" for a CoT-only edit run."""
+    """What sets a run apart from others of its job, model, task and seed: "cot" for a CoT-only edit
+    run; a blend run's workloads ("skills+memory+locomo"), so a run of one workload does not replace
+    a run of others (readers keep the newest run per model and workload: `newest_per_workload`)."""
     exp = cfg.get("experiment") if isinstance(cfg.get("experiment"), dict) else {}
+    if job == "blend" and isinstance(exp.get("workloads"), list):
+        return "+".join(str(w) for w in exp["workloads"])
     return "cot" if job == "edit" and exp.get("cot_only") else ""
 
 
@@ -198,18 +202,33 @@ def select(frame: pd.DataFrame, job: str, tasks: Sequence[str] | None = None) ->
     return pd.concat(keep) if keep else df.iloc[:0]
 
 
-def newest_summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """(model, run_id, summary.json) of the newest `job` run per model among the frame's runs; runs
+def summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(model, run_id, summary.json) of every `job` run among the frame's runs, oldest first; runs
     whose summary.json is missing or unreadable are skipped."""
     if frame.empty or "job" not in frame:
         return []
     runs = frame[frame["job"] == job].drop_duplicates("run_id").sort_values("run_id")
-    out: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    out = []
     for r in runs.itertuples():
         path = Path(str(getattr(r, "run_path", ""))) / "summary.json"
         try:
             summary = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        out[str(r.model)] = (str(r.model), str(r.run_id), summary)  # newest per model wins
+        out.append((str(r.model), str(r.run_id), summary))
+    return out
+
+
+def newest_summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """(model, run_id, summary.json) of the newest `job` run per model among the frame's runs."""
+    out = {model: (model, run_id, s) for model, run_id, s in summaries(frame, job)}  # newest wins
     return list(out.values())
+
+
+def newest_per_workload(frame: pd.DataFrame) -> pd.DataFrame:
+    """Blend records: per model and workload, only those of the newest run that has that workload
+    (a long run may be split into one run per workload; a later run of a workload replaces it)."""
+    if frame.empty or "workload" not in frame:
+        return frame
+    newest = frame.groupby(["model", "workload"], dropna=False)["run_id"].transform("max")
+    return frame[frame["run_id"] == newest]

@@ -19,7 +19,7 @@ import pandas as pd
 from analysis import style
 from analysis.aggregate import ci_table, to_float
 from analysis.figures import Skip
-from analysis.load import select
+from analysis.load import newest_per_workload, select
 
 NAME = "blend"
 TITLE = "Cache reuse head to head: fidelity vs recompute fraction"
@@ -60,6 +60,7 @@ def frontier_text(d: pd.DataFrame, metric: str, budgets: list[float]) -> str:
 def make(frame: pd.DataFrame, out: Path) -> list[Path]:
     df = select(frame, "blend")
     df = df[df["kind"] == "blend"] if len(df) and "kind" in df else df.iloc[:0]
+    df = newest_per_workload(df)
     if df.empty:
         raise Skip("no completed run of experiment blend")
     df = df.assign(recompute_fraction=to_float(df["recompute_fraction"]), cosine=to_float(df["cosine"]),

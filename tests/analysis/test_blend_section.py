@@ -51,3 +51,33 @@ def test_the_section_shows_15_percent_methods_seams_and_the_newest_run_per_model
 def test_no_blend_run_no_section(tmp_path):
     assert blend_section(pd.DataFrame()) == []
     assert blend_section(_frame(tmp_path, [])) == []
+
+
+def test_a_run_split_by_workload_is_merged_with_the_newest_run_of_each_workload(tmp_path):
+    both = _summary(0.970)
+    both["workloads"]["memory"] = both["workloads"]["skills"]
+    skills_only = _summary(0.981)  # a later run of one workload replaces that workload only
+    frame = _frame(tmp_path, [("blend/qwen-1.5b/2026-01-01", "qwen-1.5b", both),
+                              ("blend/qwen-1.5b/2026-01-02", "qwen-1.5b", skills_only)])
+    text = "\n".join(blend_section(frame))
+    assert text.count("### ") == 2
+    assert "skills (12 items; run `blend/qwen-1.5b/2026-01-02`)" in text
+    assert "memory (12 items; run `blend/qwen-1.5b/2026-01-01`)" in text
+
+
+def test_blend_runs_of_different_workloads_are_different_variants_and_records_merge_per_workload(tmp_path):
+    import yaml
+
+    from analysis.load import newest_per_workload, run_info
+
+    for name, wls in (("a", ["skills", "memory", "locomo"]), ("b", ["skills"])):
+        d = tmp_path / "blend" / "llama" / name
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text(yaml.safe_dump({"experiment": {"name": "blend", "workloads": wls}}))
+    variants = {run_info(tmp_path / "blend" / "llama" / n)["run_variant"] for n in "ab"}
+    assert variants == {"skills+memory+locomo", "skills"}  # load(newest_only) keeps both
+    rec = pd.DataFrame({"model": ["llama"] * 4, "workload": ["skills", "memory", "skills", "skills"],
+                        "run_id": ["blend/llama/a", "blend/llama/a", "blend/llama/b", "blend/llama/b"]})
+    kept = newest_per_workload(rec)
+    assert kept.groupby("workload")["run_id"].unique().map(list).to_dict() == {
+        "memory": ["blend/llama/a"], "skills": ["blend/llama/b"]}
