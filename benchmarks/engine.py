@@ -14,7 +14,15 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   repaired and the question run in one forward: compose.transplant_extend), of the same transplant with the block file dropped from the page cache
   (`transplant_cold_speedup`), without the block's content hash (`..._unverified_share_of_limit`:
   load_block(verify=False)), and of the limit;
-* eight blocks of L/8 tokens, K = 4: the same, with all seams repaired in one forward.
+* eight blocks of L/8 tokens, K = 4: the same, with all seams repaired in one forward; also at
+  K = 0 (no repair) and K = 1 (`multiblock_k0_...`, `multiblock_k1_...`, each with its logit
+  cosine to the full prefill), and the FLOP ceiling of the K = 4 share (`multiblock_flop_ceiling`:
+  limit FLOPs / transplant FLOPs; the 8 x 4 seam tokens are work the limit does not do, so no
+  K = 4 transplant can reach a share above it). The one-block path has its ceiling too.
+  `--kvboost PYTHON` runs kvboost 0.9.0 as it ships (its own venv, experiments/_kvboost_worker.py)
+  on the same eight-block prompt, `--reps` times per mode: its `none`, `selective` and `cacheblend`
+  strategies, each TTFT (wall clock from the call to the first token) against kvboost's own full
+  prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`).
 
 The limit is the question forwarded against an already cached context, defined independently
 of kvnotes' own call path: a bare transformers forward over a `DynamicCache` filled through
@@ -43,8 +51,6 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -55,8 +61,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 WORKLOADS = ("edit", "ttft", "multiblock")
-SEAM = 4
-N_BLOCKS = 8
 KEYS = ("length", "prefill_s", "extend1_ratio", "full_downstream_ratio", "erratum_ratio",
         "erratum_floor", "transplant_speedup", "limit_speedup", "transplant_share_of_limit",
         "multiblock_speedup", "multiblock_share_of_limit")
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall time (device-synchronised), or the process' CPU time: on a CPU shared "
                         "with other jobs the steadier measure of the work done")
     p.add_argument("--json", default=None, help="write one object per length to this file")
+    p.add_argument("--kvboost", default=None, metavar="PYTHON",
+                   help="the python of a venv with kvboost 0.9.0: run its modes on the eight-block prompt")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, run erratum and full_downstream once more under torch.profiler "
                         "and write their operator tables (top entries by self time) to DIR")
@@ -96,150 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-# --- FLOPs ----------------------------------------------------------------------------------
-
-
-def forward_flops(model: Any, q: int, past: int, logits: int = 1) -> float:
-    """Multiply-adds x 2 of q tokens after `past` cached ones: linear layers, attention, LM head."""
-    layers = model.adapter.layers(model.hf)
-    linear = sum(p.numel() for n, p in layers.named_parameters() if p.ndim == 2)
-    heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
-    attended = q * past + q * (q + 1) / 2  # keys read by the q new tokens, causally
-    attn = len(layers) * 4 * heads * d * attended  # q.k and w.v
-    head = 2 * logits * model.config.hidden_size * model.config.vocab_size
-    return float(2 * q * linear + attn + head)
-
-
-# --- the limit, outside kvnotes' call path (kvnotes.limit) ------------------------------------
-
-from kvnotes.limit import bare_cache, bare_forward  # noqa: E402
-
-
-def drop_page_cache(path: Path) -> bool:
-    """Ask the kernel to forget a file's cached pages (clean pages: no root needed)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    except (OSError, AttributeError):
-        return False
-    finally:
-        os.close(fd)
-
-
-# --- workloads --------------------------------------------------------------------------------
-
-
-@dataclass
-class Timed:
-    """One timed path: `setup` runs untimed before each call of `fn`."""
-
-    name: str
-    fn: Callable[[], Any]
-    setup: Callable[[], None] | None = None
-    times: list[float] = field(default_factory=list)
-    last: Any = None
-
-
-def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
-    from kvnotes import run, tasks
-    from kvnotes.edit_strategies import Editor
-    from kvnotes.patching import make_pair, patched_scores
-
-    item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
-    ed = Editor(model, item)
-    err = ed.erratum()
-    kept = len(err.ids) - err.recomputed  # stale tokens the erratum keeps cached
-    flop_floor = forward_flops(model, err.recomputed, kept) / forward_flops(model, item.n_tokens, 0)
-    info = {"edit_tokens": item.n_tokens, "erratum_floor": err.recompute_fraction,
-            "erratum_flop_floor": flop_floor, "erratum_kept_tokens": kept,
-            "erratum_tokens": err.recomputed, "full_downstream_tokens": item.n_tokens - item.field_span[0]}
-    paths = [
-        Timed("prefill", lambda: run.prefill(model, item.new_ids)),
-        Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
-        Timed("full_downstream", lambda: ed.full_downstream()),
-        Timed("erratum", lambda: ed.erratum()),
-    ]
-    if with_map:
-        pair = make_pair(model, item)
-        paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
-        info["map_positions"] = len(pair.field_to_end)
-    return paths, info
-
-
-def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]], question: list[int],
-              tag: str) -> tuple[list[Timed], dict[str, Any]]:
-    """full / transplant (warm, cold) / limit paths of prefix + blocks + question."""
-    from kvnotes import compose, run
-    from kvnotes.metrics import logit_cosine
-    from kvnotes.store import block_path, load_block, save_block
-
-    files = []
-    for j, ids in enumerate(blocks):
-        path = block_path(store, f"{tag}-{j}")
-        save_block(path, model, compose.prefill_block(model, ids), name=f"{tag}-{j}")
-        files.append(path)
-    prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, on both sides
-    body = [t for ids in blocks for t in ids]
-    full_step = run.extend(model, prefix_cache, body + question)
-    context = full_step.cache.slice(0, len(prefix) + len(body))  # the limit's cached context
-    q = torch.tensor([question], device=model.device)
-    state: dict[str, Any] = {}
-
-    def full() -> torch.Tensor:
-        return run.extend(model, prefix_cache, body + question).logits[0, -1]
-
-    def transplant(verify: bool = True) -> torch.Tensor:
-        """Read from disk (content hash checked), rotate, seams + question in one forward."""
-        loaded = [load_block(f, model, verify=verify) for f in files]
-        return compose.transplant_extend(model, prefix_cache, loaded, SEAM, question).logits[0, -1]
-
-    def cold_setup() -> None:
-        for f in files:
-            drop_page_cache(f)
-
-    def limit_setup() -> None:
-        state["bare"] = bare_cache(context)
-
-    paths = [
-        Timed(f"{tag}_full", full),
-        Timed(f"{tag}_transplant", transplant),
-        Timed(f"{tag}_transplant_cold", transplant, cold_setup),
-        Timed(f"{tag}_transplant_unverified", lambda: transplant(verify=False)),
-        Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
-        Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
-    ]
-    ref = full_step.logits[0, -1]
-    flops_full = forward_flops(model, len(body) + len(question), len(prefix))
-    flops_limit = forward_flops(model, len(question), len(prefix) + len(body))
-    info = {f"{tag}_tokens": len(prefix) + len(body) + len(question), f"{tag}_question_tokens": len(question),
-            f"{tag}_limit_flop_speedup": flops_full / flops_limit,
-            f"{tag}_cosine": float(logit_cosine(transplant(), ref)),
-            f"{tag}_limit_max_abs_diff": float((bare_forward(model, bare_cache(context), q) - ref).abs().max())}
-    return paths, info
-
-
-def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
-    from experiments.compose_scaling import question_ids, skill_ids
-
-    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
-    block = skill_ids(model.tokenizer, "refund", length, seed=0)
-    return _composed(model, store, prefix, [block], question, "one")
-
-
-def multiblock_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
-    from experiments.compose_scaling import question_ids, skill_ids
-    from kvnotes.tasks.skills import skill_names
-
-    names = skill_names()
-    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
-    size = max(SEAM + 1, length // N_BLOCKS)
-    blocks = [skill_ids(model.tokenizer, names[j % len(names)], size, seed=j) for j in range(N_BLOCKS)]
-    return _composed(model, store, prefix, blocks, question, "multi")
-
+from benchmarks.engine_paths import (  # noqa: E402
+    Timed,
+    edit_paths,
+    kvboost_multiblock,
+    multiblock_paths,
+    ttft_paths,
+)
 
 # --- profile ---------------------------------------------------------------------------------
 
@@ -310,6 +179,11 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
         unverified = speed(tag, "transplant_unverified")  # load_block(verify=False): no hash
         row[f"{key}_unverified_share_of_limit"] = unverified / lim if unverified and lim else None
         row[f"{key}_limit_engine_speedup"] = speed(tag, "limit_engine")
+        for name in sorted(n for n in med if n.startswith(f"{tag}_transplant_k")):
+            k = name.removeprefix(f"{tag}_transplant_")
+            sp = speed(tag, f"transplant_{k}")
+            row[f"{key}_{k}_speedup"] = sp
+            row[f"{key}_{k}_share_of_limit"] = sp / lim if sp is not None and lim is not None else None
     if "map" in med:
         row["map_ratio"] = ratio("map", "prefill")
     row.update(info)
@@ -324,7 +198,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("erratum_flop_floor", "flop floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"),
             ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
-            ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("map_ratio", "map", "{:.2f}")]
+            ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),
+            ("multiblock_k0_share_of_limit", "k0/limit", "{:.2f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
+            ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
+            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]
     for r in rows:
@@ -365,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                 info.update(i)
             run_rounds(paths, a.reps, a.warmup, model.device, a.clock)
             rows.append({**summarize(n, paths, info), **meta})
+            if a.kvboost and "multiblock" in a.only:  # after ours, in the same run: one job at a time
+                rows[-1].update(kvboost_multiblock(model, n, a.kvboost, a.reps))
             if a.profile:
                 rows[-1]["profile"] = profile_paths(paths, n, Path(a.profile))
                 for name, top in rows[-1]["profile"].items():

@@ -55,25 +55,35 @@ def kvboost_configs(kb: KvboostConfig) -> dict[str, dict[str, Any]]:
 def kvboost_records(model: LoadedModel, items: list[BlendItem], kb: KvboostConfig,
                     max_new_tokens: int) -> list[dict[str, Any]]:
     """kvboost's selective and cacheblend strategies on the same prompts (its own venv)."""
-    py = resolve(kb.python)
+    tok = model.tokenizer
+    confs = kvboost_configs(kb)
+    texts = [{"key": f"i{j}", "text": tok.decode(it.layout.ids), "context_text": tok.decode(it.layout.context),
+              "max_new_tokens": 1 if it.gold is None else max_new_tokens} for j, it in enumerate(items)]
+    res, logits = run_worker(kb.python, model, confs, texts, kb.chunk_size, kb.timeout_s)
+    return kvboost_rows(model, items, res, logits, confs)
+
+
+def run_worker(python: str, model: LoadedModel, confs: dict[str, dict[str, Any]], items: list[dict[str, Any]],
+               chunk_size: int, timeout_s: float
+               ) -> tuple[list[dict[str, Any]], dict[tuple[str, str], torch.Tensor]]:
+    """Run experiments/_kvboost_worker.py in kvboost's venv on `items` ({key, text, context_text,
+    max_new_tokens}) with each of `confs` (name -> strategy settings): its result lines and the
+    first-token logits per (key, config), the baseline (its full prefill) included."""
+    py = resolve(python)
     if not py.exists():
         raise RuntimeError(f"kvboost python {py} not found: python -m venv .venv-kvboost && "
                            ".venv-kvboost/bin/pip install torch==2.13.0 kvboost")
-    tok = model.tokenizer
-    confs = kvboost_configs(kb)
-    job = {"model_path": model.source_path, "threads": torch.get_num_threads(), "chunk_size": kb.chunk_size,
-           "configs": [{"name": n, **c} for n, c in confs.items()], "items": [
-               {"key": f"i{j}", "text": tok.decode(it.layout.ids), "context_text": tok.decode(it.layout.context),
-                "max_new_tokens": 1 if it.gold is None else max_new_tokens} for j, it in enumerate(items)]}
+    job = {"model_path": model.source_path, "threads": torch.get_num_threads(), "chunk_size": chunk_size,
+           "configs": [{"name": n, **c} for n, c in confs.items()], "items": items}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         proc = subprocess.run([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
-                               f"{tmp}/out"], capture_output=True, text=True, timeout=kb.timeout_s)
+                               f"{tmp}/out"], capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"kvboost worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
         res = [json.loads(x) for x in (Path(tmp) / "out" / "results.jsonl").read_text().splitlines()]
         logits = {(r["key"], r["config"]): torch.from_numpy(np.load(Path(tmp) / "out" / r["logits"])) for r in res}
-    return kvboost_rows(model, items, res, logits, confs)
+    return res, logits
 
 
 def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str, Any]],

@@ -5,6 +5,7 @@ import torch
 from tolerances import ATOL_FP32
 
 from benchmarks import engine
+from benchmarks import engine_paths as workloads
 from kvnotes import run
 from kvnotes.models.tiny import tiny_model
 
@@ -21,16 +22,16 @@ def test_the_bare_limit_matches_the_engine_and_flops_scale():
     m = tiny_model("qwen2")
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     ctx = run.prefill(m, ids[:, :33]).cache
-    bare = engine.bare_forward(m, engine.bare_cache(ctx), ids[:, 33:])
+    bare = workloads.bare_forward(m, workloads.bare_cache(ctx), ids[:, 33:])
     assert (bare - run.extend(m, ctx, ids[:, 33:]).logits[0, -1]).abs().max().item() <= ATOL_FP32
     assert ctx.seq_len == 33  # the bare cache is a copy: the context is untouched
-    full, limit = engine.forward_flops(m, 40, 0), engine.forward_flops(m, 7, 33)
-    assert full > limit > 0 and engine.forward_flops(m, 7, 330) > limit
+    full, limit = workloads.forward_flops(m, 40, 0), workloads.forward_flops(m, 7, 33)
+    assert full > limit > 0 and workloads.forward_flops(m, 7, 330) > limit
 
 
 def test_summary_has_the_issue_keys_as_ratios_of_medians():
     def timed(name, times):
-        return engine.Timed(name, lambda: None, times=list(times))
+        return workloads.Timed(name, lambda: None, times=list(times))
 
     paths = [timed("prefill", [10, 12, 11]), timed("extend1", [0.1, 0.2, 0.15]),
              timed("full_downstream", [10, 10, 10]), timed("erratum", [1, 1, 1]),
@@ -49,7 +50,7 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
 
 def test_rounds_interleave_after_warmup():
     order = []
-    paths = [engine.Timed(n, lambda n=n: order.append(n)) for n in "abc"]
+    paths = [workloads.Timed(n, lambda n=n: order.append(n)) for n in "abc"]
     engine.run_rounds(paths, reps=2, warmup=1, device=torch.device("cpu"))
     assert order == list("abc") + list("bca") + list("cab")
     assert all(len(p.times) == 2 for p in paths)
@@ -57,8 +58,8 @@ def test_rounds_interleave_after_warmup():
 
 def test_profile_writes_the_operator_table_of_the_profiled_paths(tmp_path):
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    paths = [engine.Timed("erratum", lambda: a @ b), engine.Timed("prefill", lambda: a + b),
-             engine.Timed("full_downstream", lambda: torch.softmax(a @ b, -1))]
+    paths = [workloads.Timed("erratum", lambda: a @ b), workloads.Timed("prefill", lambda: a + b),
+             workloads.Timed("full_downstream", lambda: torch.softmax(a @ b, -1))]
     tops = engine.profile_paths(paths, 2000, tmp_path / "prof", top=3)
     assert set(tops) == {"erratum", "full_downstream"}  # prefill is not profiled
     assert any("mm" in e["op"] for e in tops["erratum"])
@@ -66,3 +67,51 @@ def test_profile_writes_the_operator_table_of_the_profiled_paths(tmp_path):
     assert all(0 <= e["self_cpu_share"] <= 1 for t in tops.values() for e in t) and len(tops["erratum"]) <= 3
     assert sorted(f.name for f in (tmp_path / "prof").iterdir()) == ["L2000_erratum.txt", "L2000_full_downstream.txt"]
     assert "Self CPU" in (tmp_path / "prof" / "L2000_erratum.txt").read_text()
+
+
+def test_extra_seams_get_their_own_speedup_share_and_the_flop_ceiling(tmp_path):
+    m = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    prefix, question = torch.randint(0, 128, (5,), generator=g).tolist(), torch.randint(0, 128, (6,), generator=g).tolist()
+    blocks = [torch.randint(0, 128, (12,), generator=g).tolist() for _ in range(3)]
+    paths, info = workloads._composed(m, tmp_path, prefix, blocks, question, "multi", (0, 1))
+    names = {p.name for p in paths}
+    assert {"multi_transplant", "multi_transplant_k0", "multi_transplant_k1", "multi_limit"} <= names
+    assert info["multi_seam_tokens"] == 3 * workloads.SEAM
+    assert 0 < info["multi_flop_ceiling"] < 1  # the seams are work the limit does not do
+    assert -1 <= info["multi_cosine_k0"] <= 1 and info["multi_cosine_k1"] <= 1 + 1e-6
+
+    def timed(name, t):
+        return workloads.Timed(name, lambda: None, times=[t] * 3)
+
+    row = engine.summarize(100, [timed("multi_full", 10), timed("multi_limit", 1), timed("multi_transplant", 2),
+                                 timed("multi_transplant_k0", 1.25), timed("multi_transplant_k1", 1.6)], {})
+    assert row["multiblock_k0_speedup"] == pytest.approx(8) and row["multiblock_k0_share_of_limit"] == pytest.approx(0.8)
+    assert row["multiblock_k1_share_of_limit"] == pytest.approx(1 / 1.6)
+    assert row["multiblock_share_of_limit"] == pytest.approx(0.5)
+
+
+def test_kvboost_side_by_side_reads_the_worker_after_its_warm_up_item(monkeypatch):
+    from experiments import _kvboost
+
+    m = tiny_model("llama")
+    monkeypatch.setattr(workloads, "multiblock_prompt", lambda model, n: ([1, 2], [[3, 4, 5], [6, 7, 8]], [9, 10]))
+    seen = {}
+
+    def fake_worker(python, model, confs, items, chunk_size, timeout_s):
+        seen["items"] = items
+        ref = torch.tensor([1.0, 2.0, 3.0])
+        res, logits = [], {}
+        for it in items:
+            slow = 100.0 if it["key"] == "r0" else 1.0  # the warm-up item: dropped
+            for conf, t in (("baseline", 2.0), ("none", 0.1), ("selective", 0.5), ("cacheblend", 2.5)):
+                res.append({"key": it["key"], "config": conf, "ttft_s": t * slow, "kv_reuse_ratio": 0.9})
+                logits[(it["key"], conf)] = ref if conf != "none" else torch.tensor([1.0, 2.0, 2.0])
+        return res, logits
+
+    monkeypatch.setattr(_kvboost, "run_worker", fake_worker)
+    row = workloads.kvboost_multiblock(m, 100, "/nowhere/python", reps=3)
+    assert [it["key"] for it in seen["items"]] == ["r0", "r1", "r2", "r3"]
+    assert row["kvboost_full_s"] == pytest.approx(2.0)
+    assert row["kvboost_none_speedup"] == pytest.approx(20) and row["kvboost_cacheblend_speedup"] == pytest.approx(0.8)
+    assert row["kvboost_selective_cosine"] == pytest.approx(1.0) and row["kvboost_none_cosine"] < 1

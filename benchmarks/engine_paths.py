@@ -1,0 +1,207 @@
+"""The engine benchmark's workloads (benchmarks/engine.py times them): the FLOP estimate, the
+edit paths, the composed paths of one block and of eight (full, transplant warm / cold / without
+hash / at extra seams, limit), and kvboost's modes on the eight-block prompt."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvnotes.limit import bare_cache, bare_forward
+
+SEAM = 4
+N_BLOCKS = 8
+
+
+# --- FLOPs ----------------------------------------------------------------------------------
+
+
+def forward_flops(model: Any, q: int, past: int, logits: int = 1) -> float:
+    """Multiply-adds x 2 of q tokens after `past` cached ones: linear layers, attention, LM head."""
+    layers = model.adapter.layers(model.hf)
+    linear = sum(p.numel() for n, p in layers.named_parameters() if p.ndim == 2)
+    heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
+    attended = q * past + q * (q + 1) / 2  # keys read by the q new tokens, causally
+    attn = len(layers) * 4 * heads * d * attended  # q.k and w.v
+    head = 2 * logits * model.config.hidden_size * model.config.vocab_size
+    return float(2 * q * linear + attn + head)
+
+
+# --- the limit, outside kvnotes' call path: kvnotes.limit (bare_cache, bare_forward) ----------
+
+
+def drop_page_cache(path: Path) -> bool:
+    """Ask the kernel to forget a file's cached pages (clean pages: no root needed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+# --- workloads --------------------------------------------------------------------------------
+
+
+@dataclass
+class Timed:
+    """One timed path: `setup` runs untimed before each call of `fn`."""
+
+    name: str
+    fn: Callable[[], Any]
+    setup: Callable[[], None] | None = None
+    times: list[float] = field(default_factory=list)
+    last: Any = None
+
+
+def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
+    from kvnotes import run, tasks
+    from kvnotes.edit_strategies import Editor
+    from kvnotes.patching import make_pair, patched_scores
+
+    item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
+    ed = Editor(model, item)
+    err = ed.erratum()
+    kept = len(err.ids) - err.recomputed  # stale tokens the erratum keeps cached
+    flop_floor = forward_flops(model, err.recomputed, kept) / forward_flops(model, item.n_tokens, 0)
+    info = {"edit_tokens": item.n_tokens, "erratum_floor": err.recompute_fraction,
+            "erratum_flop_floor": flop_floor, "erratum_kept_tokens": kept,
+            "erratum_tokens": err.recomputed, "full_downstream_tokens": item.n_tokens - item.field_span[0]}
+    paths = [
+        Timed("prefill", lambda: run.prefill(model, item.new_ids)),
+        Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
+        Timed("full_downstream", lambda: ed.full_downstream()),
+        Timed("erratum", lambda: ed.erratum()),
+    ]
+    if with_map:
+        pair = make_pair(model, item)
+        paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
+        info["map_positions"] = len(pair.field_to_end)
+    return paths, info
+
+
+def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]], question: list[int],
+              tag: str, extra_seams: tuple[int, ...] = ()) -> tuple[list[Timed], dict[str, Any]]:
+    """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / limit paths of
+    prefix + blocks + question."""
+    from kvnotes import compose, run
+    from kvnotes.metrics import logit_cosine
+    from kvnotes.store import block_path, load_block, save_block
+
+    files = []
+    for j, ids in enumerate(blocks):
+        path = block_path(store, f"{tag}-{j}")
+        save_block(path, model, compose.prefill_block(model, ids), name=f"{tag}-{j}")
+        files.append(path)
+    prefix_cache = run.prefill(model, prefix).cache  # the cached system prompt, on both sides
+    body = [t for ids in blocks for t in ids]
+    full_step = run.extend(model, prefix_cache, body + question)
+    context = full_step.cache.slice(0, len(prefix) + len(body))  # the limit's cached context
+    q = torch.tensor([question], device=model.device)
+    state: dict[str, Any] = {}
+
+    def full() -> torch.Tensor:
+        return run.extend(model, prefix_cache, body + question).logits[0, -1]
+
+    def transplant(verify: bool = True, seam: int = SEAM) -> torch.Tensor:
+        """Read from disk (content hash checked), rotate, seams + question in one forward."""
+        loaded = [load_block(f, model, verify=verify) for f in files]
+        return compose.transplant_extend(model, prefix_cache, loaded, seam, question).logits[0, -1]
+
+    def cold_setup() -> None:
+        for f in files:
+            drop_page_cache(f)
+
+    def limit_setup() -> None:
+        state["bare"] = bare_cache(context)
+
+    paths = [
+        Timed(f"{tag}_full", full),
+        Timed(f"{tag}_transplant", transplant),
+        Timed(f"{tag}_transplant_cold", transplant, cold_setup),
+        Timed(f"{tag}_transplant_unverified", lambda: transplant(verify=False)),
+        Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
+        Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
+    ]
+    paths += [Timed(f"{tag}_transplant_k{k}", lambda k=k: transplant(seam=k)) for k in extra_seams]
+    ref = full_step.logits[0, -1]
+    seam_tokens = sum(min(SEAM, len(b)) for b in blocks)
+    flops_full = forward_flops(model, len(body) + len(question), len(prefix))
+    flops_limit = forward_flops(model, len(question), len(prefix) + len(body))
+    flops_transplant = forward_flops(model, seam_tokens + len(question), len(prefix) + len(body) - seam_tokens)
+    info = {f"{tag}_tokens": len(prefix) + len(body) + len(question), f"{tag}_question_tokens": len(question),
+            f"{tag}_seam_tokens": seam_tokens, f"{tag}_limit_flop_speedup": flops_full / flops_limit,
+            f"{tag}_flop_ceiling": flops_limit / flops_transplant,
+            f"{tag}_cosine": float(logit_cosine(transplant(), ref)),
+            f"{tag}_limit_max_abs_diff": float((bare_forward(model, bare_cache(context), q) - ref).abs().max())}
+    for k in extra_seams:
+        info[f"{tag}_cosine_k{k}"] = float(logit_cosine(transplant(seam=k), ref))
+    return paths, info
+
+
+def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
+    from experiments.compose_scaling import question_ids, skill_ids
+
+    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
+    block = skill_ids(model.tokenizer, "refund", length, seed=0)
+    return _composed(model, store, prefix, [block], question, "one")
+
+
+MULTI_EXTRA_SEAMS = (0, 1)  # the eight-block splice also without repair and with one token per seam
+
+
+def multiblock_prompt(model: Any, length: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(system prefix, eight skill blocks of length/8 tokens, question) of the eight-block workload."""
+    from experiments.compose_scaling import question_ids, skill_ids
+    from kvnotes.tasks.skills import skill_names
+
+    names = skill_names()
+    prefix, question = question_ids(model.tokenizer, "refund", model.chat)
+    size = max(SEAM + 1, length // N_BLOCKS)
+    blocks = [skill_ids(model.tokenizer, names[j % len(names)], size, seed=j) for j in range(N_BLOCKS)]
+    return prefix, blocks, question
+
+
+def multiblock_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
+    prefix, blocks, question = multiblock_prompt(model, length)
+    return _composed(model, store, prefix, blocks, question, "multi", MULTI_EXTRA_SEAMS)
+
+
+KVBOOST_MODES = {"none": {"strategy": "none"}, "selective": {"strategy": "selective", "overlap": 16},
+                 "cacheblend": {"strategy": "cacheblend", "ratio": 0.15}}
+
+
+def kvboost_multiblock(model: Any, length: int, python: str, reps: int) -> dict[str, Any]:
+    """kvboost as it ships on the eight-block prompt (its own venv): per mode, over `reps` items
+    after one warm-up item, the median of its own full prefill's wall-clock TTFT over the mode's,
+    and the median first-token logit cosine of the mode to that prefill."""
+    from experiments._kvboost import run_worker
+    from kvnotes.metrics import logit_cosine
+
+    prefix, blocks, question = multiblock_prompt(model, length)
+    context = prefix + [t for b in blocks for t in b]
+    tok = model.tokenizer
+    items = [{"key": f"r{r}", "text": tok.decode(context + question), "context_text": tok.decode(context),
+              "max_new_tokens": 1} for r in range(reps + 1)]
+    res, logits = run_worker(python, model, KVBOOST_MODES, items, chunk_size=64, timeout_s=3600)
+    res = [r for r in res if r["key"] != "r0"]  # the first item warms its process up, as ours do
+    base = {r["key"]: r for r in res if r["config"] == "baseline"}
+    row: dict[str, Any] = {"kvboost_full_s": statistics.median(r["ttft_s"] for r in base.values())}
+    for mode in KVBOOST_MODES:
+        runs = [r for r in res if r["config"] == mode]
+        row[f"kvboost_{mode}_speedup"] = row["kvboost_full_s"] / statistics.median(r["ttft_s"] for r in runs)
+        row[f"kvboost_{mode}_cosine"] = statistics.median(
+            float(logit_cosine(logits[(r["key"], mode)], logits[(r["key"], "baseline")])) for r in runs)
+        row[f"kvboost_{mode}_reuse"] = statistics.median(float(r["kv_reuse_ratio"]) for r in runs)
+    return row
