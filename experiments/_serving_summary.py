@@ -142,6 +142,11 @@ def decisions(rows: Sequence[Row]) -> dict[str, Any]:
                if w == "new" and i in live]
     if follows:  # the in-prefix decision is right for both values of the same item
         out["follows_field"] = prop_dict(follows)
+    err = {(r["item_index"], r["value"]): bool(r["correct"]) for r in items if r["variant"] == "erratum"}
+    obeyed = [err[(i, "new")] and err[(i, "old")] for i in sorted({i for i, _ in err})
+              if (i, "new") in err and (i, "old") in err]
+    if obeyed:  # the decision is right for the value the erratum states, both values of the same item
+        out["follows_erratum"] = prop_dict(obeyed)
     out["n_items"] = len({r["item_index"] for r in items})
     return out
 
@@ -166,8 +171,14 @@ def reading(model: str, sensitive: bool, dec: Mapping[str, Any]) -> str:
         d = pc.get(v, {}).get(w)
         return "n/a" if d is None else f"{d['mean']:.2f} [{d['ci_lo']:.2f}, {d['ci_hi']:.2f}] (n={d['n']})"
 
+    obeyed = dec.get("follows_erratum")
     if sensitive:
         first = f"{model} follows the field (field_sensitive true), so P(correct) under the erratum tests that it is obeyed"
+    elif obeyed is not None and obeyed["ci_lo"] > 0.5:  # the field_sensitive rule, applied to the erratum
+        first = (f"{model} does not follow the field in the prefix reliably (field_sensitive false), but its decision "
+                 f"follows the value the erratum states (right for both values of an item: "
+                 f"{obeyed['k']}/{obeyed['n']}, Wilson [{obeyed['ci_lo']:.2f}, {obeyed['ci_hi']:.2f}]): the erratum is "
+                 "obeyed")
     else:
         first = (f"{model} does not follow the field (field_sensitive false): the decisions show the cache "
                  "mechanism only, not that an erratum is obeyed")

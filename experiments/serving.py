@@ -80,9 +80,11 @@ class ServingConfig:
     kv_cache_gib: float = 4.0  # VLLM_CPU_KVCACHE_SPACE
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: all CPUs of this process
     block_size: int = 32
-    # vLLM's own CPU kernels run bf16 faster than fp32 here (unlike torch's): qwen-1.5b, 2k-token
-    # prompt, TTFT median of 4: 19.8 s bf16, 36.9 s fp32. auto: the dtype this run loaded the model in
-    dtype: str = "bfloat16"
+    # auto: bf16 where the device computes bf16 natively, else fp32 (kvnotes.timing.native_bf16).
+    # Measured with benchmarks/serving_dtype.py, qwen-1.5b, 2k-token prompt, TTFT: on a CPU with
+    # native bf16, 19.8 s bf16 vs 36.9 s fp32 (median of 4); on an AVX2-only CPU, ~285 s bf16
+    # (emulated) vs 59.3 s fp32 (median of 2)
+    dtype: str = "auto"
     max_model_len: int = 8192
     extra_args: list[str] = field(default_factory=list)  # more vLLM server flags
     suite: str = "gated"
@@ -294,8 +296,15 @@ def _python(cfg: ServingConfig) -> str:
 
 
 def served_dtype(ctx: Context, cfg: ServingConfig) -> str:
-    """vLLM's --dtype: the configured one, or (auto) the dtype this run loaded the model in."""
-    return str(ctx.model.dtype).removeprefix("torch.") if cfg.dtype == "auto" else cfg.dtype
+    """vLLM's --dtype: the configured one, or (auto) bfloat16 where the run's device computes bf16
+    natively and float32 where it would be emulated (vLLM's CPU bf16 kernels: ~5x slower there)."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    from kvnotes.timing import native_bf16
+
+    pick = "bfloat16" if native_bf16(ctx.model.device) else "float32"
+    log.info("served dtype auto on %s: %s", ctx.model.device, pick)
+    return pick
 
 
 def _server_spec(ctx: Context, cfg: ServingConfig) -> server.ServerSpec:

@@ -19,6 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.provenance import git_state
 from runner.config import validate
 from runner.jobs import discover
 from runner.main import build_summary
@@ -37,7 +38,9 @@ def resummarize(run_dir: Path) -> dict[str, Any]:
     job = validate(cfg)
     old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
-    summary |= {"finished": old.get("finished"), "resummarized": now_iso()}
+    git = git_state()  # the code that summarised again (the records keep the run's own commit)
+    summary |= {"finished": old.get("finished"), "resummarized": now_iso(),
+                "resummarized_commit": git["commit"], "resummarized_dirty": git["dirty"]}
     write_json(run_dir / "summary.json", summary)
     return summary
 

@@ -522,6 +522,15 @@ def test_decisions_over_items_have_wilson_intervals_and_say_whether_the_field_is
     s = exp.summarize([r | {"served_model": "llama"} for r in items_records(24, ignores)], cfg)
     assert s["decisions"]["p_correct"]["edit"]["new"]["mean"] == 0.0
     assert not s["field_sensitive"] and "llama does not follow the field" in s["reading"]
+    assert s["decisions"]["follows_erratum"]["mean"] == 0.0 and "cache mechanism only" in s["reading"]
+
+    def heeds_the_erratum(v, w, j):  # the field in the prefix mostly missed, the erratum's value followed
+        right = "grant_access" if w == "new" else "escalate"
+        return right if v == "erratum" or j < 9 else "escalate"
+
+    s = exp.summarize([r | {"served_model": "qwen-1.5b"} for r in items_records(24, heeds_the_erratum)], cfg)
+    assert s["decisions"]["follows_field"]["k"] == 9 and s["decisions"]["follows_erratum"]["k"] == 24
+    assert not s["field_sensitive"] and "the erratum is obeyed" in s["reading"] and "24/24" in s["reading"]
 
 
 def test_summary_without_items_judges_field_sensitivity_on_the_load_requests():
@@ -568,11 +577,17 @@ def test_config_refuses_bad_values():
     exp.ServingConfig(**ok, n_sequential=0, rates=[0.1], overload=False)
 
 
-def test_served_dtype_is_the_loaded_one_unless_set():
-    ctx = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32))
-    cfg = exp.ServingConfig(length=1000, max_model_len=2048, dtype="auto")
-    assert exp.served_dtype(ctx, cfg) == "float32"  # type: ignore[arg-type]
-    assert exp.served_dtype(ctx, exp.ServingConfig(length=1000, max_model_len=2048)) == "bfloat16"  # type: ignore[arg-type]
+def test_served_dtype_auto_is_bf16_only_where_the_device_has_native_bf16(monkeypatch):
+    import kvnotes.timing
+
+    ctx = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu")))
+    auto = exp.ServingConfig(length=1000, max_model_len=2048)
+    assert auto.dtype == "auto"  # the default
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(kvnotes.timing, "native_bf16", lambda dev, native=native: native)
+        assert exp.served_dtype(ctx, auto) == want  # type: ignore[arg-type]
+    set_ = exp.ServingConfig(length=1000, max_model_len=2048, dtype="bfloat16")
+    assert exp.served_dtype(ctx, set_) == "bfloat16"  # type: ignore[arg-type]
 
 
 # --- vLLM's bench serve ------------------------------------------------------------------------
