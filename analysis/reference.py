@@ -6,9 +6,10 @@ Each run lands at <to>/<job>/<model>/<timestamp>/ with the four files the figure
 read; anything else in the run dir (a skill store, logs) stays behind. A run that did not
 complete is refused: the reference set holds finished runs only. So is a run whose meta.json
 records a dirty tree (uncommitted changes when it ran, or no git state at all): its code is not
-the commit it names. `--force` copies it anyway and marks the copy's meta.json
-(`reference.forced`), and the report lists every such run. Every run is checked before any is
-copied.
+the commit it names. So is a run whose commit is not in the history of the checkout it is copied
+into (a commit that never landed cannot be read back). `--force` copies it anyway and marks the
+copy's meta.json (`reference.forced`, with the reason), and the report lists every such run. Every
+run is checked before any is copied.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,8 +26,27 @@ from typing import Any
 FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
 
 
-def dirty_reason(meta: dict[str, Any]) -> str | None:
-    """Why a run's code is not exactly its commit (None: it ran from a clean commit)."""
+def in_history(commit: str, where: Path) -> bool | None:
+    """Whether `commit` is HEAD or an ancestor of HEAD in the git checkout holding `where` (its
+    nearest existing folder); None when `where` lies in no checkout (or git is missing)."""
+    where = Path(where).resolve()
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    try:
+        top = subprocess.run(["git", "-C", str(where), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, check=False)
+        if top.returncode != 0:
+            return None
+        r = subprocess.run(["git", "-C", str(where), "merge-base", "--is-ancestor", commit, "HEAD"],
+                           capture_output=True, check=False)
+    except OSError:
+        return None
+    return r.returncode == 0
+
+
+def dirty_reason(meta: dict[str, Any], repo: Path | None = None) -> str | None:
+    """Why a run's code is not exactly its commit (None: it ran from a clean commit). With `repo`,
+    a commit outside the history of the checkout holding `repo` is a reason too."""
     raw = meta.get("git")
     git: dict[str, Any] = raw if isinstance(raw, dict) else {}
     if not git.get("commit"):
@@ -36,11 +57,14 @@ def dirty_reason(meta: dict[str, Any]) -> str | None:
                if isinstance(a, dict) and a.get("git_commit")}
     if len(commits) > 1:
         return f"resumed across {len(commits)} commits ({', '.join(sorted(c[:7] for c in commits))})"
+    if repo is not None and in_history(str(git["commit"]), repo) is False:
+        return f"commit {str(git['commit'])[:7]} is not in the history of this checkout"
     return None
 
 
-def check_run(run_dir: Path, force: bool = False) -> dict[str, Any]:
-    """meta.json of a run fit for the reference set; ValueError says why one is not."""
+def check_run(run_dir: Path, force: bool = False, repo: Path | None = None) -> dict[str, Any]:
+    """meta.json of a run fit for the reference set (its commit checked against the checkout
+    holding `repo`, when given); ValueError says why one is not."""
     run_dir = Path(run_dir)
     missing = [f for f in FILES if not (run_dir / f).is_file()]
     if missing:
@@ -49,7 +73,7 @@ def check_run(run_dir: Path, force: bool = False) -> dict[str, Any]:
     status = meta.get("status")
     if status != "completed":
         raise ValueError(f"{run_dir}: status {status!r}; only completed runs go into the reference set")
-    reason = dirty_reason(meta)
+    reason = dirty_reason(meta, repo)
     if reason and not force:
         raise ValueError(f"{run_dir}: {reason}; rerun it from a clean commit, or pass --force "
                          "(the report then lists it as forced)")
@@ -60,12 +84,12 @@ def copy_run(run_dir: Path, to: Path, force: bool = False) -> Path:
     """Copy one completed run's four files to <to>/<job>/<model>/<timestamp>/; a dirty run only
     with `force`, and then its copied meta.json says so (`reference.forced`)."""
     run_dir = Path(run_dir)
-    meta = check_run(run_dir, force)
+    meta = check_run(run_dir, force, repo=to)
     dest = Path(to) / run_dir.parent.parent.name / run_dir.parent.name / run_dir.name
     dest.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         shutil.copy2(run_dir / f, dest / f)
-    reason = dirty_reason(meta)
+    reason = dirty_reason(meta, to)
     if reason:
         meta["reference"] = {"forced": True, "reason": reason,
                              "copied": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -82,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         for run in a.runs:  # every run checked before any is copied
-            check_run(run, a.force)
+            check_run(run, a.force, repo=a.to)
         for run in a.runs:
             dest = copy_run(run, a.to, a.force)
-            reason = dirty_reason(json.loads((dest / "meta.json").read_text()))
-            print(dest if reason is None else f"{dest} (forced: {reason})")
+            forced = json.loads((dest / "meta.json").read_text()).get("reference")
+            print(dest if not forced else f"{dest} (forced: {forced['reason']})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from analysis.blend_section import blend_section
 from analysis.claims import all_claims, band, verdict
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
 from analysis.distance_section import distance_section
+from analysis.reference import in_history
 
 # --- cells --------------------------------------------------------------------------------------
 
@@ -124,19 +125,25 @@ def runs_section(frame: pd.DataFrame) -> list[str]:
 
 
 def dirty_section(frame: pd.DataFrame) -> list[str]:
-    """Runs whose meta.json records a dirty tree: forced into the reference set, or older."""
+    """Runs whose code is not exactly a commit of this checkout (made from a dirty tree, or from a
+    commit outside its history): forced into the reference set, or older."""
     runs = frame.drop_duplicates("run_id")
-    dirty = runs[runs["dirty"].astype(str) == "True"] if "dirty" in runs else runs.iloc[:0]
-    if dirty.empty:
+    out = []
+    for r in runs.sort_values("run_id").itertuples():
+        commit = str(r.commit or "?")
+        if str(getattr(r, "dirty", None)) == "True":
+            why = "uncommitted changes"
+        elif r.commit and in_history(commit, Path(str(r.run_path))) is False:
+            why = "a commit not in this checkout's history"
+        else:
+            continue
+        how = ("forced in with `analysis.reference --force`" if str(getattr(r, "forced", None)) == "True"
+               else "copied before `analysis.reference` refused such runs")
+        out.append(f"- `{r.run_id}` (commit {commit[:7]}, {why}): {how}")
+    if not out:
         return ["Every run read comes from a clean commit."]
-    out = [f"{len(dirty)} of {len(runs)} runs read were made from a tree with uncommitted changes; "
-           "their code is not exactly the commit named:", ""]
-    for r in dirty.sort_values("run_id").itertuples():
-        forced = getattr(r, "forced", None)
-        how = ("forced in with `analysis.reference --force`" if str(forced) == "True"
-               else "copied before `analysis.reference` refused dirty runs")
-        out.append(f"- `{r.run_id}` (commit {str(r.commit or '?')[:7]}): {how}")
-    return out
+    return [f"{len(out)} of {len(runs)} runs read were not made from a clean commit of this checkout; "
+            "their code is not exactly a commit you can check out:", "", *out]
 
 
 def summary_checks(frame: pd.DataFrame) -> list[str]:
@@ -239,7 +246,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
     lines += ["## Claims", "", *body, *blend_section(frame), *distance_section(frame, dist_png)]
     if len(frame):
-        lines += ["## Runs", "", *runs_section(frame), "", "### Runs from a dirty tree", "", *dirty_section(frame), "",
+        lines += ["## Runs", "", *runs_section(frame), "", "### Runs not from a clean commit", "", *dirty_section(frame), "",
                   "## Cross-check against summary.json", "",
                   *summary_checks(frame), ""]
     if figures is not None:

@@ -127,3 +127,35 @@ def test_quantile_ratio_ci_resamples_each_arm():
     point, lo, hi, n = aggregate.quantile_ratio_ci(a, b)
     assert n == 60 and lo < point < hi and 3 < point < 30
     assert math.isnan(aggregate.quantile_ratio_ci([1.0], [2.0])[1])
+
+
+def _git(cwd: Path, *args: str) -> str:
+    import subprocess
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(cwd), "PATH": "/usr/bin:/bin:/usr/local/bin"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_run_whose_commit_is_not_in_the_checkouts_history_is_refused_and_listed(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "landed")
+    landed = _git(repo, "rev-parse", "HEAD")
+    runs = tmp_path / "runs"
+    ok = _run(runs, "2026-01-01_00-00-00", {"n_items": 40})
+    lost = _run(runs, "2026-01-02_00-00-00", {"n_items": 40})
+    for path, commit in ((ok, landed), (lost, "f" * 40)):  # a commit that never landed here
+        meta = json.loads((path / "meta.json").read_text())
+        meta["git"]["commit"] = commit
+        (path / "meta.json").write_text(json.dumps(meta))
+    ref = repo / "results" / "reference"
+    assert reference.in_history(landed, ref) is True and reference.in_history("f" * 40, ref) is False
+    assert reference.in_history(landed, tmp_path / "elsewhere") is None  # no checkout: not judged
+    with pytest.raises(ValueError, match="fffffff is not in the history of this checkout"):
+        reference.check_run(lost, repo=ref)
+    assert reference.main([str(ok), str(lost), "--to", str(ref)]) == 2 and not ref.exists()
+    assert reference.main([str(ok), str(lost), "--to", str(ref), "--force"]) == 0
+    text = "\n".join(report.dirty_section(load.load(ref)))
+    assert "fffffff, a commit not in this checkout's history): forced in" in text
+    assert "2026-01-01" not in text  # the run from a landed commit is not listed
