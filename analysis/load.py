@@ -138,13 +138,17 @@ def runs_table(results: str | Path, include_incomplete: bool = False) -> pd.Data
 
 
 def latest(runs: pd.DataFrame, key: Sequence[str] = KEY) -> pd.DataFrame:
-    """The newest run (by start time, then folder name) of each `key` group."""
+    """The run each `key` group is read from: the finest dtype first (a float32 run before a
+    bfloat16 one, which is kept beside it to show what the dtype changes, not to replace it:
+    analysis/dtype_section.py), then the newest (by start time, then folder name)."""
     if runs.empty:
         return runs
-    order = runs.assign(_s=runs["started"].astype(str), _r=runs["run_id"].astype(str))
-    order = order.sort_values(["_s", "_r"])
+    dtype = runs["dtype"].astype(str) if "dtype" in runs else pd.Series("", index=runs.index)
+    order = runs.assign(_p=dtype.isin(["float32", "float64"]).astype(int),
+                        _s=runs["started"].astype(str), _r=runs["run_id"].astype(str))
+    order = order.sort_values(["_p", "_s", "_r"])
     keep = order.groupby(list(key), dropna=False, sort=False).tail(1)
-    return keep.drop(columns=["_s", "_r"]).sort_values(list(key)).reset_index(drop=True)
+    return keep.drop(columns=["_p", "_s", "_r"]).sort_values(list(key)).reset_index(drop=True)
 
 
 def read_records(run: pd.Series | dict[str, Any]) -> pd.DataFrame:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from analysis import aggregate, claims, load, reference, report
+from analysis.dtype_section import dtype_section
 from kvnotes.metrics import bootstrap_ci
 from probes._common import ci_dict
 
@@ -159,3 +160,24 @@ def test_a_run_whose_commit_is_not_in_the_checkouts_history_is_refused_and_liste
     text = "\n".join(report.dirty_section(load.load(ref)))
     assert "fffffff, a commit not in this checkout's history): forced in" in text
     assert "2026-01-01" not in text  # the run from a landed commit is not listed
+
+
+def test_a_bf16_run_beside_an_fp32_one_does_not_replace_it_and_the_dtype_section_compares_them(tmp_path):
+    _run(tmp_path, "2026-01-01_00-00-00", {"n_items": 40})
+    bf16 = _run(tmp_path, "2026-01-02_00-00-00", {"n_items": 40})  # newer, coarser
+    meta = json.loads((bf16 / "meta.json").read_text())
+    (bf16 / "meta.json").write_text(json.dumps({**meta, "dtype": "bfloat16"}))
+    rows = [{"item_id": f"i{i}", "condition": c, "recovery": v + (0.05 if c == "field_only" else 0.0),
+             "score_stale": 0.0, "score_oracle": 0.5}
+            for i in range(30) for c, v in (("field_only", 0.1), ("notes_only", 0.9))]  # 30 usable of 40
+    pd.DataFrame(rows).to_parquet(bf16 / "records.parquet")
+    frame = load.load(tmp_path)
+    assert set(frame["run_id"]) == {"patching/llama/2026-01-01_00-00-00"}  # the claims read the fp32 run
+    text = "\n".join(dtype_section(tmp_path))
+    assert "## What the dtype changes" in text
+    assert "| float32 | `patching/llama/2026-01-01_00-00-00` | 40 | 0.100 [0.100, 0.100] | - | - | 0.062 |" in text
+    assert "| bfloat16 | `patching/llama/2026-01-02_00-00-00` | 30 | 0.150 [0.150, 0.150] | 0.900 [0.900, 0.900] | - | 0.125 |" in text
+    assert "over the 30 items usable in both runs: field_only 0.050 [0.050, 0.050]" in text
+    only = tmp_path / "only"
+    _run(only, "2026-01-01_00-00-00", {"n_items": 40})
+    assert dtype_section(only) == []  # one dtype: no section
