@@ -68,4 +68,4 @@ def dtype_section(results: str | Path) -> list[str]:
                 + "; ".join(f"{c} {cell}" for c, (cell, _) in zip(CONDITIONS, paired)) + ".", ""]
     if not out:
         return []
-    return ["## What the dtype changes", "", __doc__.split("\n\n")[1].replace("\n", " "), "", *out]
+    return ["## What the dtype changes", "", __doc__.split("\n\n")[1].replace("\n", " ").strip(), "", *out]
