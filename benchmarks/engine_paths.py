@@ -4,6 +4,7 @@ hash / at extra seams, limit), and kvboost's modes on the eight-block prompt."""
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from collections.abc import Callable
@@ -134,7 +135,8 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
         Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
         Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
     ]
-    paths += [Timed(f"{tag}_transplant_k{k}", lambda k=k: transplant(seam=k)) for k in extra_seams]
+    for k in extra_seams:
+        paths.append(Timed(f"{tag}_transplant_k{k}", functools.partial(transplant, seam=k)))
     ref = full_step.logits[0, -1]
     seam_tokens = sum(min(SEAM, len(b)) for b in blocks)
     flops_full = forward_flops(model, len(body) + len(question), len(prefix))
@@ -178,7 +180,7 @@ def multiblock_paths(model: Any, length: int, store: Path) -> tuple[list[Timed],
     return _composed(model, store, prefix, blocks, question, "multi", MULTI_EXTRA_SEAMS)
 
 
-KVBOOST_MODES = {"none": {"strategy": "none"}, "selective": {"strategy": "selective", "overlap": 16},
+KVBOOST_MODES: dict[str, dict[str, Any]] = {"none": {"strategy": "none"}, "selective": {"strategy": "selective", "overlap": 16},
                  "cacheblend": {"strategy": "cacheblend", "ratio": 0.15}}
 
 
