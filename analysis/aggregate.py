@@ -193,6 +193,8 @@ def serving_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
         "ttft_ms": 1000 * ttft.where(~censored, lower), "censored": censored,
         "hit": to_float(d[next((c for c in ("phase_hit_rate", "hit_rate") if c in d), "ttft_s")])
         if any(c in d for c in ("phase_hit_rate", "hit_rate")) else math.nan,
+        "hit_tokens": to_float(d["phase_hit_tokens"]) if "phase_hit_tokens" in d else math.nan,
+        "query_tokens": to_float(d["phase_query_tokens"]) if "phase_query_tokens" in d else math.nan,
     })
     out["phase_label"] = [p if p == "sequential" or not math.isfinite(r) else
                           f"overload {r:g} req/s" if p == "overload" else f"{r:g} req/s"

@@ -25,6 +25,7 @@ from analysis.aggregate import (
     quantile_ratio_ci,
     serving_view,
     to_float,
+    wilson,
     write_depth,
 )
 from analysis.load import job_params, select
@@ -203,9 +204,31 @@ def _serving_hit(arm: str) -> Extractor:
         if why or v.empty or v["hit"].isna().all():
             return _rows([])
         per_phase = v.drop_duplicates(["run_id", "phase_label"])
+        if per_phase[["hit_tokens", "query_tokens"]].notna().all().all():
+            return _finish(_hit_blocks(frame, per_phase), per_phase,
+                           "pooled over the load phases (sequential, each rate); Wilson over the cache "
+                           "blocks queried (vLLM hits whole blocks), n = blocks")
         return _finish(ci_table(per_phase, "hit", ["model"], ("run_id", "phase_label")), per_phase,
                        "n = phases (sequential, each rate); each a prefix-cache counter ratio")
     return f
+
+
+def _hit_blocks(frame: pd.DataFrame, per_phase: pd.DataFrame) -> pd.DataFrame:
+    """Per model: hit tokens / queried tokens pooled over the phases, with a Wilson interval over
+    cache blocks (each run's experiment.block_size, 32 by default): vLLM's prefix cache hits whole
+    blocks, so a block, not a token, is the smallest unit that can hit or miss."""
+    rows = []
+    for m, d in per_phase.groupby("model"):
+        hit = query = 0.0
+        for run, r in d.groupby("run_id"):
+            block = float(job_params(frame, str(run)).get("block_size") or 32)
+            hit += float(r["hit_tokens"].sum()) / block
+            query += float(r["query_tokens"].sum()) / block
+        n = int(round(query))
+        k = min(int(round(hit)), n)
+        lo, hi = wilson(k / n, n) if n else (math.nan, math.nan)
+        rows.append({"model": m, "mean": hit / query if query else math.nan, "lo": lo, "hi": hi, "n": n})
+    return pd.DataFrame(rows, columns=["model", "mean", "lo", "hi", "n"])
 
 
 def serving_p90(frame: pd.DataFrame) -> pd.DataFrame:

@@ -509,7 +509,7 @@ def test_claims_are_recomputed_from_records(frame):
     assert sp.loc["llama", "mean"] > 1 and sp.loc["llama", "n"] == 3
     assert claims.ours(frame, "ttft_speedup_32000").empty  # no such length: absent, not zero
     hit = claims.ours(frame, "serving_hit_rate_erratum").set_index("model")
-    assert hit.loc["llama", "mean"] == pytest.approx(0.985) and hit.loc["llama", "n"] == 3  # phases
+    assert hit.loc["llama", "mean"] == pytest.approx(0.985) and hit.loc["llama", "n"] == 750  # cache blocks
     p90 = claims.ours(frame, "serving_p90_ratio")
     assert (p90["mean"] > 5).all() and p90["note"].str.contains("censored").any()
     mem = claims.ours(frame, "memory_delta").set_index("model")

@@ -181,3 +181,20 @@ def test_a_bf16_run_beside_an_fp32_one_does_not_replace_it_and_the_dtype_section
     only = tmp_path / "only"
     _run(only, "2026-01-01_00-00-00", {"n_items": 40})
     assert dtype_section(only) == []  # one dtype: no section
+
+
+def test_serving_hit_rate_gets_a_wilson_interval_over_cache_blocks_never_zero_width():
+    rows = [{"model": "m", "run_id": "r", "run_path": "/nonexistent", "job": "serving", "variant": v,
+             "phase": ph, "rate": rate, "request_id": f"{v}{ph}{i}", "ttft_s": 0.5, "status": "ok",
+             "phase_hit_rate": hit / 1024, "phase_hit_tokens": 12 * hit, "phase_query_tokens": 12 * 1024}
+            for v, hit in (("edit", 32), ("erratum", 960)) for ph, rate in (("sequential", math.nan),
+                                                                          ("poisson", 0.2), ("overload", 1.0))
+            for i in range(12)]
+    frame = pd.DataFrame(rows)
+    edit = claims.ours(frame, "serving_hit_rate_inplace").iloc[0]
+    # every phase hit exactly one 32-token block of 32 per request: the same ratio three times,
+    # which a bootstrap over phases turns into a zero-width interval
+    assert edit["mean"] == pytest.approx(1 / 32) and edit["n"] == 3 * 12 * 32
+    assert edit["lo"] < 1 / 32 < edit["hi"] and "Wilson over the cache blocks" in edit["note"]
+    err = claims.ours(frame, "serving_hit_rate_erratum").iloc[0]
+    assert err["mean"] == pytest.approx(960 / 1024) and err["lo"] < err["mean"] < err["hi"] < 1
