@@ -28,7 +28,8 @@ FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
 
 def in_history(commit: str, where: Path) -> bool | None:
     """Whether `commit` is HEAD or an ancestor of HEAD in the git checkout holding `where` (its
-    nearest existing folder); None when `where` lies in no checkout (or git is missing)."""
+    nearest existing folder); None when that cannot be told: `where` lies in no checkout, git is
+    missing, or a shallow clone lacks the history to say no."""
     where = Path(where).resolve()
     while not where.is_dir() and where != where.parent:
         where = where.parent
@@ -39,9 +40,13 @@ def in_history(commit: str, where: Path) -> bool | None:
             return None
         r = subprocess.run(["git", "-C", str(where), "merge-base", "--is-ancestor", commit, "HEAD"],
                            capture_output=True, check=False)
+        if r.returncode == 0:
+            return True
+        shallow = subprocess.run(["git", "-C", str(where), "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         return None
-    return r.returncode == 0
+    return False if shallow == "false" else None  # a full clone that lacks it, or where it is no ancestor
 
 
 def dirty_reason(meta: dict[str, Any], repo: Path | None = None) -> str | None:

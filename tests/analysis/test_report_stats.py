@@ -153,6 +153,10 @@ def test_a_run_whose_commit_is_not_in_the_checkouts_history_is_refused_and_liste
     ref = repo / "results" / "reference"
     assert reference.in_history(landed, ref) is True and reference.in_history("f" * 40, ref) is False
     assert reference.in_history(landed, tmp_path / "elsewhere") is None  # no checkout: not judged
+    _git(repo, "commit", "-q", "--allow-empty", "-m", "next")
+    _git(tmp_path, "clone", "-q", "--depth", "1", f"file://{repo}", "shallow")
+    assert reference.in_history(landed, tmp_path / "shallow") is None  # history cut off: cannot say no
+    _git(repo, "reset", "-q", "--hard", landed)
     with pytest.raises(ValueError, match="fffffff is not in the history of this checkout"):
         reference.check_run(lost, repo=ref)
     assert reference.main([str(ok), str(lost), "--to", str(ref)]) == 2 and not ref.exists()
