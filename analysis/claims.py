@@ -25,11 +25,11 @@ from analysis.aggregate import (
     quantile_ratio_ci,
     serving_view,
     to_float,
-    wilson,
     write_depth,
 )
 from analysis.load import job_params, select
 from kvnotes.margins import STEPS
+from kvnotes.metrics import wilson_ci
 
 Extractor = Callable[[pd.DataFrame], pd.DataFrame]
 COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
@@ -226,7 +226,7 @@ def _hit_blocks(frame: pd.DataFrame, per_phase: pd.DataFrame) -> pd.DataFrame:
             query += float(r["query_tokens"].sum()) / block
         n = int(round(query))
         k = min(int(round(hit)), n)
-        lo, hi = wilson(k / n, n) if n else (math.nan, math.nan)
+        _, lo, hi = wilson_ci(k, n) if n else (math.nan, math.nan, math.nan)
         rows.append({"model": m, "mean": hit / query if query else math.nan, "lo": lo, "hi": hi, "n": n})
     return pd.DataFrame(rows, columns=["model", "mean", "lo", "hi", "n"])
 
