@@ -183,6 +183,38 @@ def prop_dict(outcomes: Iterable[float | bool] | ArrayLike, units: Sequence[obje
             "interval": "wilson"}
 
 
+def paired_prop_diff(a: Iterable[float | bool] | ArrayLike, b: Iterable[float | bool] | ArrayLike,
+                     ci: float = 0.95) -> dict[str, Any]:
+    """P(a) - P(b) for paired 0/1 outcomes (a[i], b[i] of one unit) with Newcombe's hybrid score
+    interval for paired data (Newcombe 1998, method 10): the two Wilson intervals combined through
+    the continuity-corrected phi of the 2x2 table. Never zero-width, also when every pair agrees.
+
+    L = d - sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2), U likewise with the
+    other ends; phi is 0 where the table has an empty margin.
+    """
+    x, y = _floats(a), _floats(b)
+    if x.shape != y.shape:
+        raise ValueError(f"paired_prop_diff needs one b per a, got {x.size} and {y.size}")
+    if not (np.all((x == 0.0) | (x == 1.0)) and np.all((y == 0.0) | (y == 1.0))):
+        raise ValueError("paired_prop_diff needs 0/1 outcomes")
+    n = int(x.size)
+    both, only_a = int(np.sum((x == 1) & (y == 1))), int(np.sum((x == 1) & (y == 0)))
+    only_b, neither = int(np.sum((x == 0) & (y == 1))), int(np.sum((x == 0) & (y == 0)))
+    out: dict[str, Any] = {"n": n, "both": both, "only_a": only_a, "only_b": only_b, "neither": neither,
+                           "interval": "newcombe-paired"}
+    if n == 0:
+        return {"mean": float("nan"), "ci_lo": float("nan"), "ci_hi": float("nan"), **out}
+    p1, l1, u1 = wilson_ci(both + only_a, n, ci)
+    p2, l2, u2 = wilson_ci(both + only_b, n, ci)
+    margins = float(both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    cross = both * neither - only_a * only_b
+    phi = 0.0 if margins == 0 else (max(cross - n / 2.0, 0.0) if cross > 0 else float(cross)) / np.sqrt(margins)
+    d = p1 - p2
+    lo = d - np.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    hi = d + np.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
+    return {"mean": float(d), "ci_lo": float(max(lo, -1.0)), "ci_hi": float(min(hi, 1.0)), **out}
+
+
 def range_dict(values: Iterable[float] | ArrayLike) -> dict[str, Any]:
     """Timings: mean, median, min and max of the finite values, called a min-max range (one timing
     per item is no sample to bootstrap a 95 % interval from)."""

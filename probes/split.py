@@ -22,7 +22,7 @@ import torch
 
 from kvnotes.cache import KVCache
 from kvnotes.compose import Block, prefill_block, splice
-from kvnotes.metrics import ci_dict, logit_cosine
+from kvnotes.metrics import ci_dict, logit_cosine, paired_prop_diff
 from kvnotes.models.loading import LoadedModel
 from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
@@ -127,7 +127,8 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: SplitConfig) -> dict[st
                        "cosine": ci_dict(float(r["cosine"]) for r in m)}
         one = {(r["item_id"], r["prompt"]): float(r["agree"]) for r in at if r["condition"] == "single"}
         two = {(r["item_id"], r["prompt"]): float(r["agree"]) for r in at if r["condition"] == "split"}
-        s["agreement_single_minus_split"] = ci_dict(one[k] - two[k] for k in sorted(set(one) & set(two)))
+        both = sorted(set(one) & set(two))  # the same prompt in one block and split: paired
+        s["agreement_single_minus_split"] = paired_prop_diff([one[k] for k in both], [two[k] for k in both])
         seams[str(seam)] = s
     out["seams"] = seams
     out["full_prefill_correct"] = proportion(bool(r["ref_correct"]) for r in rows
