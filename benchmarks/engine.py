@@ -7,7 +7,10 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
 * edit (a gated task item of L tokens): a clean prefill of the new prompt (`prefill_s`, the
   denominator), one token against the stale cache (`extend1_ratio`), `full_downstream`, the
   erratum edit (`erratum_ratio`) beside its token floor (`erratum_floor` = (erratum + question
-  tokens) / prompt tokens), and with --map the per-position patching map (`map_ratio`);
+  tokens) / prompt tokens) and its GEMM floor (`erratum_gemm_floor`: the decoder's linear layers
+  alone, applied to as many rows as the erratum recomputes, with nothing around them: what this
+  machine's matrix products cost at that batch shape; `erratum_over_gemm_floor` is the rest of
+  the engine's share), and with --map the per-position patching map (`map_ratio`);
 * one block (system prefix, a skill block of L tokens, a question): TTFT of the full path
   (block + question against the cached system prefix: the prefix is cached on both sides),
   of the transplant (the block read from disk inside the timed region, rotated, seam K = 4
@@ -170,6 +173,9 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
     row["erratum_ratio"] = ratio("erratum", "prefill")
     row["erratum_floor"] = info.get("erratum_floor")
+    row["erratum_gemm_floor"] = ratio("erratum_gemms", "prefill")
+    gemm = row["erratum_gemm_floor"]
+    row["erratum_over_gemm_floor"] = row["erratum_ratio"] / gemm if row["erratum_ratio"] and gemm else None
     for tag, key in (("one", "transplant"), ("multi", "multiblock")):
         tp, lim = speed(tag, "transplant"), speed(tag, "limit")
         row[f"{key}_speedup"] = tp
@@ -195,7 +201,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
             ("extend1_ratio", "extend1", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
             ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
-            ("erratum_flop_floor", "flop floor", "{:.4f}"),
+            ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"),
             ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
             ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),

@@ -34,6 +34,28 @@ def forward_flops(model: Any, q: int, past: int, logits: int = 1) -> float:
     return float(2 * q * linear + attn + head)
 
 
+def gemm_pass(model: Any, q: int) -> Callable[[], None]:
+    """Every linear layer of the decoder applied once to q rows (and the LM head to one row), with
+    nothing around them: the matrix products a forward of q tokens cannot avoid, at the batch
+    shape it runs them in. Timed beside a path, it measures that path's GEMM floor on this machine
+    (small batches run below a prefill's FLOP rate on CPUs, which a token or FLOP share ignores)."""
+    layers = model.adapter.layers(model.hf)
+    linears = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.hf.get_output_embeddings()
+    xs = {m.in_features: torch.randn(1, q, m.in_features, dtype=model.dtype, device=model.device)
+          for m in linears}
+    last = torch.randn(1, 1, model.config.hidden_size, dtype=model.dtype, device=model.device)
+
+    @torch.inference_mode()
+    def run() -> None:
+        for m in linears:
+            m(xs[m.in_features])
+        if head is not None:
+            head(last)
+
+    return run
+
+
 # --- the limit, outside kvnotes' call path: kvnotes.limit (bare_cache, bare_forward) ----------
 
 
@@ -84,6 +106,7 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
         Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
         Timed("full_downstream", lambda: ed.full_downstream()),
         Timed("erratum", lambda: ed.erratum()),
+        Timed("erratum_gemms", gemm_pass(model, err.recomputed)),
     ]
     if with_map:
         pair = make_pair(model, item)

@@ -35,17 +35,33 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
 
     paths = [timed("prefill", [10, 12, 11]), timed("extend1", [0.1, 0.2, 0.15]),
              timed("full_downstream", [10, 10, 10]), timed("erratum", [1, 1, 1]),
-             timed("map", [15, 15, 15])]
+             timed("erratum_gemms", [0.5, 0.6, 0.55]), timed("map", [15, 15, 15])]
     for tag in ("one", "multi"):
         paths += [timed(f"{tag}_full", [10] * 3), timed(f"{tag}_transplant", [1] * 3),
                   timed(f"{tag}_limit", [0.8] * 3)]
     row = engine.summarize(2000, paths, {"erratum_floor": 0.03})
     assert set(engine.KEYS) <= set(row) and row["map_ratio"] == pytest.approx(15 / 11)
     assert row["extend1_ratio"] == pytest.approx(0.15 / 11)
+    assert row["erratum_gemm_floor"] == pytest.approx(0.55 / 11)
+    assert row["erratum_over_gemm_floor"] == pytest.approx(1 / 0.55)
     assert row["transplant_speedup"] == pytest.approx(10) and row["limit_speedup"] == pytest.approx(12.5)
     assert row["transplant_share_of_limit"] == pytest.approx(0.8)
     assert row["multiblock_share_of_limit"] == pytest.approx(0.8)
     assert "L" in engine.table([row]) and "0.80" in engine.table([row])
+
+
+def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():
+    m = tiny_model("llama")
+    seen = []
+    layers = m.adapter.layers(m.hf)
+    hooks = [mod.register_forward_hook(lambda mod, i, o: seen.append((type(mod).__name__, tuple(i[0].shape))))
+             for mod in [*layers.modules(), m.hf.get_output_embeddings()] if isinstance(mod, torch.nn.Linear)]
+    workloads.gemm_pass(m, 7)()
+    for h in hooks:
+        h.remove()
+    n_linear = sum(isinstance(mod, torch.nn.Linear) for mod in layers.modules())
+    assert len(seen) == n_linear + 1  # and the LM head, on the last row only
+    assert all(shape[1] == 7 for _, shape in seen[:-1]) and seen[-1][1][1] == 1
 
 
 def test_rounds_interleave_after_warmup():
