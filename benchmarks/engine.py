@@ -216,11 +216,31 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and its vector / bf16 flags (/proc/cpuinfo): these ratios move with
+    the machine (bf16 is native only with avx512_bf16 or amx_bf16)."""
+    out: dict[str, Any] = {"model": None, "flags": []}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and out["model"] is None:
+                out["model"] = value.strip()
+            elif key.strip() == "flags" and not out["flags"]:
+                out["flags"] = [f for f in CPU_FLAGS if f in value.split()]
+    except OSError:
+        pass
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from kvnotes.models import load_model
+    from kvnotes.provenance import git_state
     from kvnotes.timing import check_fits
 
     model = load_model(a.model, device=a.device, dtype=a.dtype)
@@ -228,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": a.model, "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
             "threads": torch.get_num_threads(), "reps": a.reps, "warmup": a.warmup, "clock": a.clock,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__}
+    git = git_state()  # the commit the numbers come from, and whether the tree was clean
+    meta |= {"commit": git["commit"], "dirty": git["dirty"], "cpu": cpu_model()}
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as store:

@@ -64,6 +64,14 @@ def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():
     assert all(shape[1] == 7 for _, shape in seen[:-1]) and seen[-1][1][1] == 1
 
 
+def test_cpu_facts_name_the_model_and_its_bf16_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
+                    "processor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
+    assert engine.cpu_model(info) == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
+    assert engine.cpu_model(tmp_path / "absent") == {"model": None, "flags": []}
+
+
 def test_rounds_interleave_after_warmup():
     order = []
     paths = [workloads.Timed(n, lambda n=n: order.append(n)) for n in "abc"]
