@@ -59,8 +59,9 @@ def zero_eps(df: pd.DataFrame, unit: Sequence[str] = ("run_id", "item_id")) -> p
     denom = (to_float(df["score_oracle"]) - to_float(df["score_stale"])).abs()
     dtype = df["dtype"] if "dtype" in df else pd.Series(None, index=df.index)
     step = dtype.map(lambda d: STEPS.get(str(d).removeprefix("torch."), BF16_STEP)).astype(float)
-    d = df.assign(_eps=step / denom.where(denom > 0))
-    per_item = d.groupby(["model", *[u for u in unit if u in d]], dropna=False)["_eps"].mean()
+    keys = ["model", *[u for u in unit if u in df]]
+    d = df[keys].assign(_eps=step / denom.where(denom > 0))  # the key columns only: no copy of a wide frame
+    per_item = d.groupby(keys, dropna=False)["_eps"].mean()
     return per_item.groupby(level=0).mean()
 
 
