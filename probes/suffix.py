@@ -147,7 +147,8 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: SuffixConfig) -> dict[s
     for r in records:
         if r.get("condition") == "randomk":
             per_item.setdefault((r["item_id"], r["k"]), []).append(r["recovery"])
-    means = [{"item_id": i, "k": k, "condition": "randomk_mean", "recovery": float(np.nanmean(v))}
+    means = [{"item_id": i, "k": k, "condition": "randomk_mean",
+              "recovery": float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")}  # all-NaN: NaN, no warning
              for (i, k), v in per_item.items()]
     out["randomk"] = curve(means, "randomk_mean", "k")
     out["bands"] = curve(records, "band", "band")
