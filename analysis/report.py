@@ -177,6 +177,20 @@ def summary_checks(frame: pd.DataFrame) -> list[str]:
     return out or ["- no run with a summary.json to check"]
 
 
+def undefined_reasons(frame: pd.DataFrame, job: str) -> list[tuple[str, str]]:
+    """(model, why) for each newest `job` run whose summary.json says why a quantity is undefined
+    (a `*_why` field, such as the linear probe's write_depth_why), so a claim that run was meant
+    to measure reads "undefined, because ..." rather than "no run". The run's own one-line
+    `reading` is the explanation where it has one (the linear probe's covers both label sets at
+    their best aggregator), else the `*_why` fields."""
+    out = []
+    for model, _, s in load.newest_summaries(frame, job):
+        why = [str(v).rstrip(".") for k, v in s.items() if k.endswith("_why") and v]
+        if why:
+            out.append((model, str(s["reading"]).rstrip(".") if s.get("reading") else "; ".join(why)))
+    return out
+
+
 def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
            figures: Any | None = None) -> str:
     ref = reference()
@@ -221,7 +235,12 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         source = f" {c['band_source']}" if c.get("band_source") else ""
         body += [f"Measure: {c.get('measure')}. Band: {describe(c.get('target'), dg)}.{source}", ""]
         if rows.empty:
-            body += [f"*No data*: no completed `{c['measured_by']}` run under `{results}` measures it.", ""]
+            undefined = undefined_reasons(frame, str(c["measured_by"]))
+            if undefined:
+                body += [f"*No data*: the `{c['measured_by']}` runs under `{results}` leave it undefined. "
+                         + " ".join(f"{model_label(m)}: {why}." for m, why in undefined), ""]
+            else:
+                body += [f"*No data*: no completed `{c['measured_by']}` run under `{results}` measures it.", ""]
             counts["no data"] = counts.get("no data", 0) + 1
         else:
             body += ["| model | ours | 95 % CI | n | paper | verdict | note |", "|---|---|---|---|---|---|---|"]

@@ -233,11 +233,11 @@ def why_unwritten(rows: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[s
     if not finite:
         return f"accuracy unmeasurable: fewer than two template groups ({label} labels)"
     b = max(finite, key=lambda r: (r["accuracy"], -r["layer"]))
-    where = f", aggregator {b['aggregator']} from the last ({b['segment']})" if isinstance(b.get("segment"), str) else ""
+    where = f", aggregator {int(b['aggregator'])} from the last ({b['segment']})" if isinstance(b.get("segment"), str) else ""
     counts = sorted((sum(p[key] == c for p in prompts) for c in classes), reverse=True)
     return (f"{label} labels: accuracy never reaches {threshold:g}; best {b['accuracy']:.2f} "
-            f"[{b['ci_lo']:.2f}, {b['ci_hi']:.2f}] at layer {b['layer']} (relative {b['rel_layer']:.2f}){where}, "
-            f"n = {b['n_prompts']} prompts, classes {' / '.join(map(str, counts))}")
+            f"[{b['ci_lo']:.2f}, {b['ci_hi']:.2f}] at layer {int(b['layer'])} (relative {b['rel_layer']:.2f}){where}, "
+            f"n = {int(b['n_prompts'])} prompts, classes {' / '.join(map(str, counts))}")
 
 
 def summarize_label(records: Sequence[Mapping[str, Any]], prompts: Sequence[Mapping[str, Any]], label: str,

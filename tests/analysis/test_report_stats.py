@@ -202,3 +202,16 @@ def test_serving_hit_rate_gets_a_wilson_interval_over_cache_blocks_never_zero_wi
     assert edit["lo"] < 1 / 32 < edit["hi"] and "Wilson over the cache blocks" in edit["note"]
     err = claims.ours(frame, "serving_hit_rate_erratum").iloc[0]
     assert err["mean"] == pytest.approx(960 / 1024) and err["lo"] < err["mean"] < err["hi"] < 1
+
+
+def test_a_claim_its_run_leaves_undefined_says_why_not_no_run(monkeypatch):
+    runs = {"linear": [("qwen-1.5b", "r1", {"write_depth": float("nan"), "write_depth_why": "truth labels: never 0.9.",
+                                             "reading": "model labels: best 0.79; truth labels: best 0.73."}),
+                       ("llama", "r2", {"write_depth": 0.4, "write_depth_why": None})],
+            "scrub": []}
+    monkeypatch.setattr(load, "newest_summaries", lambda frame, job: runs[job])
+    assert report.undefined_reasons(pd.DataFrame(), "linear") == [
+        ("qwen-1.5b", "model labels: best 0.79; truth labels: best 0.73")]  # the reading, without its full stop
+    assert report.undefined_reasons(pd.DataFrame(), "scrub") == []
+    runs["linear"][0][2].pop("reading")
+    assert report.undefined_reasons(pd.DataFrame(), "linear") == [("qwen-1.5b", "truth labels: never 0.9")]
