@@ -47,6 +47,9 @@ TARGET_BUDGET, TARGET_DROP = 0.15, 0.01  # within 1 % of full-prefill task score
 BUDGET_TOL = 0.005  # a method is within a budget up to half a point (rounding to whole tokens)
 
 
+PROMPT_AROUND = 256  # tokens of system prompt + question around a workload's blocks (bound)
+
+
 @dataclass
 class BlendConfig:
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
@@ -97,6 +100,17 @@ class BlendConfig:
         return ([Method("naive")] + [Method("seam", k) for k in self.seams]
                 + [Method("cacheblend", r, self.check_layer) for r in self.budgets]
                 + [Method("notes", r, seam=s) for s in self.note_seams for r in self.budgets])
+
+    def longest_prompt(self) -> tuple[str, int, int]:
+        """The longest workload's blocks with the system prompt, question and answer around them
+        (bound: PROMPT_AROUND + max_new_tokens), for the position check."""
+        sizes = {"skills_length": self.skills_length if "skills" in self.workloads else 0,
+                 "memory_blocks x memory_block_tokens": self.memory_blocks * self.memory_block_tokens
+                 if "memory" in self.workloads else 0,
+                 "locomo_blocks x locomo_block_tokens": self.locomo_blocks * self.locomo_block_tokens
+                 if "locomo" in self.workloads else 0}
+        setting = max(sizes, key=lambda k: sizes[k])
+        return setting, sizes[setting], PROMPT_AROUND + self.max_new_tokens
 
 
 # --- one item ------------------------------------------------------------------------------------

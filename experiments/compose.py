@@ -71,6 +71,10 @@ class ComposeConfig:
         if not self.seams or any(k < 0 for k in self.seams):
             raise ConfigError(f"seams must be a non-empty list of ints >= 0, got {self.seams}")
 
+    def longest_prompt(self) -> tuple[str, int, int]:
+        """Tokens per prompt, for the position check (the question is inside `length`)."""
+        return "length", self.length, 0
+
 
 def split_item(item: TaskItem, prefix_name: str = "skill:") -> tuple[list[int], list[tuple[str, list[int]]], list[int]]:
     """(head ids, [(segment, block ids)], tail ids) of a prompt whose blocks are adjacent segments."""

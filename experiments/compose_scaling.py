@@ -52,11 +52,14 @@ TASK = "Reply with the name of the tool only."
 ANSWER_PREFIX = "Next action:"
 
 
+PROMPT_AROUND = 128  # tokens of system prefix + question around the skill block (bound; see question_ids)
+
+
 @dataclass
 class ComposeScalingConfig:
     """Skill lengths (tokens), repeats per path, the seam of the headline transplant."""
 
-    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8000])
     repeats: int = 3  # timed rounds per length; each round runs every path once
     seam: int = 4  # seam repair of the headline transplant path
     extra_seams: list[int] = field(default_factory=lambda: [0])  # also timed (transplant@K)
@@ -77,6 +80,11 @@ class ComposeScalingConfig:
             raise ConfigError("seams must be >= 0")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+
+    def longest_prompt(self) -> tuple[str, int, int]:
+        """The longest skill block with the system prefix and question around it (at most
+        PROMPT_AROUND tokens: 69 + 43 with SmolLM2's chat frame), for the position check."""
+        return "lengths", max(self.lengths), PROMPT_AROUND
 
 
 # --- memory and timing ------------------------------------------------------------------------

@@ -43,6 +43,9 @@ LOCOMO_INTRO = "You are a personal assistant. Answer from the conversation memor
 LOCOMO_TASK = "Answer in a few words."
 
 
+LOCOMO_AROUND = 256  # tokens of system prompt + question around a LoCoMo memory block (bound)
+
+
 @dataclass
 class MemoryConfig:
     """Synthetic memory items, the seam, and the optional LoCoMo QA."""
@@ -64,6 +67,14 @@ class MemoryConfig:
             raise ConfigError("n_items >= 0, length >= 1 and seam >= 0 are needed")
         if self.locomo_max_tokens < 16 or self.max_new_tokens < 1:
             raise ConfigError("locomo_max_tokens >= 16 and max_new_tokens >= 1 are needed")
+
+    def longest_prompt(self) -> tuple[str, int, int]:
+        """The longest prompt and the greedy answer generated after it, for the position check: a
+        synthetic prompt of `length` tokens, or with LoCoMo a memory block of `locomo_max_tokens`
+        with the system prompt and question around it (bound: LOCOMO_AROUND tokens)."""
+        if self.locomo_path and self.locomo_max_tokens + LOCOMO_AROUND > self.length:
+            return "locomo_max_tokens", self.locomo_max_tokens, LOCOMO_AROUND + self.max_new_tokens
+        return "length", self.length, self.max_new_tokens
 
 
 def erratum_text(field_name: str, value: str) -> str:

@@ -142,6 +142,11 @@ class ServingConfig:
     def overload_at(self, service_s: float) -> float:
         return self.overload_rate or _sig(self.overload_factor / service_s)
 
+    def longest_prompt(self) -> tuple[str, int, int]:
+        """A context of `length` tokens with the erratum, request and generated tokens after it
+        (the 128 tokens `max_model_len` reserves), for the position check."""
+        return "length", self.length, 128
+
 
 def _sig(x: float, digits: int = 3) -> float:
     if not math.isfinite(x) or x <= 0:

@@ -222,6 +222,22 @@ def typed_task(node: Any, run_cfg: RunConfig) -> Any:
     return task
 
 
+def prompt_problem(params: Any, kind: str, run_cfg: RunConfig) -> str | None:
+    """A job whose config sets its own prompt length (`longest_prompt()` -> (setting, tokens,
+    tokens around them)) checked against the model's positions, before any weights load."""
+    longest = getattr(params, "longest_prompt", None)
+    if not callable(longest):
+        return None
+    from kvnotes.models import budget
+
+    shape = budget.model_shape(run_cfg.model.name, run_cfg.model.tiny_family, run_cfg.cache_dir)
+    found = longest()
+    if shape is None or found is None:
+        return None
+    setting, tokens, overhead = found
+    return budget.position_problem(tokens, run_cfg.model.name, shape, f"{kind}.{setting}", overhead)
+
+
 def validate(cfg: DictConfig) -> Job:
     """Typed, checked view of a composed config; raises ConfigError naming what is valid."""
     run_cfg: RunConfig = _typed(RunConfig, cfg, "")
@@ -241,6 +257,9 @@ def validate(cfg: DictConfig) -> Job:
         raise ConfigError(f"{e.args[0]}; {valid_jobs()}") from None
     body = OmegaConf.masked_copy(node, [k for k in node if k != "name"])
     params = body if entry.config_cls is None else _typed(entry.config_cls, body, f"{kind}.")
+    problem = prompt_problem(params, kind, run_cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.get("task") is not None:
         run_cfg = replace(run_cfg, task=typed_task(cfg.task, run_cfg))
     return Job(run_cfg, kind, name, params, entry)

@@ -93,10 +93,14 @@ def model_shape(name: str, tiny_family: str | None, cache_dir: str | None) -> Mo
     return ModelShape.from_config(config, str(path), weights)
 
 
-def position_problem(length: int, model: str, shape: ModelShape) -> str | None:
-    if shape.max_positions is not None and length > shape.max_positions:
-        return (f"task.length={length} exceeds the {shape.max_positions} positions of model {model} "
-                f"(max_position_embeddings in {shape.source}); use task.length <= {shape.max_positions}")
+def position_problem(length: int, model: str, shape: ModelShape, what: str = "task.length",
+                     overhead: int = 0) -> str | None:
+    """Why a prompt of `length` tokens (the `what` setting) plus `overhead` tokens around it does
+    not fit the model's positions, or None."""
+    if shape.max_positions is not None and length + overhead > shape.max_positions:
+        around = f" plus {overhead} tokens around it" if overhead else ""
+        return (f"{what}={length}{around} exceeds the {shape.max_positions} positions of model {model} "
+                f"(max_position_embeddings in {shape.source}); use {what} <= {shape.max_positions - overhead}")
     return None
 
 

@@ -266,6 +266,32 @@ def test_task_length_is_bounded_by_the_model_positions(tmp_path):
     assert ok.cfg.task.length == 8192
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["+experiment=compose_scaling", "experiment.lengths=[512,16384]"],
+     "experiment.lengths=16384 plus 128 tokens around it exceeds the 8192 positions of model llama"),
+    (["+experiment=compose_scaling", "experiment.lengths=[8192]"], "use experiment.lengths <= 8064"),
+    (["+experiment=compose", "experiment.length=9000"], "experiment.length=9000 exceeds the 8192 positions"),
+    (["+experiment=memory", "experiment.length=8190"], "experiment.length=8190 plus 12 tokens around it"),
+    (["+experiment=memory", "experiment.locomo_path=x.json", "experiment.locomo_max_tokens=8000"],
+     "experiment.locomo_max_tokens=8000 plus 268 tokens"),
+    (["+experiment=serving", "experiment.length=8100", "experiment.max_model_len=9000"],
+     "experiment.length=8100 plus 128 tokens"),
+    (["+experiment=blend", "experiment.locomo_blocks=30"], "experiment.locomo_blocks x locomo_block_tokens=9000"),
+])
+def test_an_experiments_own_prompt_length_is_bounded_by_the_model_positions(tmp_path, overrides, message):
+    """Experiments that set their own prompt lengths are refused before any weights load when the
+    longest prompt, with the tokens around it, does not fit the model's positions."""
+    folder = tmp_path / "models" / "llama"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "max_position_embeddings": 8192, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "hidden_size": 576}))
+    with pytest.raises(ConfigError, match=message):
+        validate(make(*overrides, "model=llama", f"cache_dir={tmp_path}"))
+    default = overrides[0]
+    assert validate(make(default, "model=llama", f"cache_dir={tmp_path}")).name  # the defaults fit
+
+
 def test_task_length_is_bounded_by_a_memory_estimate():
     """A tiny random model has no position bound; the memory estimate still refuses 10M tokens."""
     with pytest.raises(ConfigError, match="task.length=10000000 with task.n_items=48 needs about .* of memory"):
