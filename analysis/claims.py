@@ -284,6 +284,8 @@ EXTRACTORS: dict[str, Extractor] = {
                                      ranking="random", n_heads=12),
     "causal_scrubbing_note": records("scrub", ["gated"], "recovery", condition="note", notes="aggregators"),
     "causal_scrubbing_rest": records("scrub", ["gated"], "recovery", condition="rest", notes="aggregators"),
+    "causal_scrubbing_note_attended": records("scrub", ["gated"], "recovery", condition="note", notes="attended"),
+    "causal_scrubbing_rest_attended": records("scrub", ["gated"], "recovery", condition="rest", notes="attended"),
     "split_facts_agreement_split": records("split", ["gated"], "agree", ("run_id", "item_id", "prompt"),
                                            note="n = prompts", condition="split", seam=0),
     "split_facts_agreement_single": records("split", ["gated"], "agree", ("run_id", "item_id", "prompt"),
