@@ -101,9 +101,15 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
     info = {"edit_tokens": item.n_tokens, "erratum_floor": err.recompute_fraction,
             "erratum_flop_floor": flop_floor, "erratum_kept_tokens": kept,
             "erratum_tokens": err.recomputed, "full_downstream_tokens": item.n_tokens - item.field_span[0]}
+    tail = ed.tail.to(model.device)
+    bare: dict[str, Any] = {}
     paths = [
         Timed("prefill", lambda: run.prefill(model, item.new_ids)),
         Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
+        # the same token through transformers alone over a DynamicCache (built untimed each call)
+        Timed("extend1_bare", lambda: bare_forward(model, bare["cache"], tail),
+              lambda: bare.update(cache=bare_cache(ed.stale))),
+        Timed("extend1_gemms", gemm_pass(model, 1)),
         Timed("full_downstream", lambda: ed.full_downstream()),
         Timed("erratum", lambda: ed.erratum()),
         Timed("erratum_gemms", gemm_pass(model, err.recomputed)),

@@ -34,6 +34,7 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
         return workloads.Timed(name, lambda: None, times=list(times))
 
     paths = [timed("prefill", [10, 12, 11]), timed("extend1", [0.1, 0.2, 0.15]),
+             timed("extend1_bare", [0.2, 0.2, 0.2]), timed("extend1_gemms", [0.05, 0.05, 0.05]),
              timed("full_downstream", [10, 10, 10]), timed("erratum", [1, 1, 1]),
              timed("erratum_gemms", [0.5, 0.6, 0.55]), timed("map", [15, 15, 15])]
     for tag in ("one", "multi"):
@@ -42,6 +43,9 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
     row = engine.summarize(2000, paths, {"erratum_floor": 0.03})
     assert set(engine.KEYS) <= set(row) and row["map_ratio"] == pytest.approx(15 / 11)
     assert row["extend1_ratio"] == pytest.approx(0.15 / 11)
+    assert row["extend1_bare_ratio"] == pytest.approx(0.2 / 11)
+    assert row["extend1_gemm_floor"] == pytest.approx(0.05 / 11)
+    assert row["extend1_over_gemm_floor"] == pytest.approx(3)
     assert row["erratum_gemm_floor"] == pytest.approx(0.55 / 11)
     assert row["erratum_over_gemm_floor"] == pytest.approx(1 / 0.55)
     assert row["transplant_speedup"] == pytest.approx(10) and row["limit_speedup"] == pytest.approx(12.5)
@@ -62,6 +66,17 @@ def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():
     n_linear = sum(isinstance(mod, torch.nn.Linear) for mod in layers.modules())
     assert len(seen) == n_linear + 1  # and the LM head, on the last row only
     assert all(shape[1] == 7 for _, shape in seen[:-1]) and seen[-1][1][1] == 1
+
+
+def test_edit_paths_time_one_token_through_transformers_alone_with_the_same_logits():
+    m = tiny_model("llama")
+    paths, info = workloads.edit_paths(m, 700, with_map=False)
+    by = {p.name: p for p in paths}
+    assert {"prefill", "extend1", "extend1_bare", "extend1_gemms", "erratum", "erratum_gemms"} <= set(by)
+    engine.run_rounds(paths, reps=2, warmup=0, device=m.device)  # each call gets a fresh bare cache
+    ours, bare = by["extend1"].last.logits[0, -1], by["extend1_bare"].last
+    assert (ours - bare).abs().max().item() <= ATOL_FP32
+    assert 0 < info["erratum_floor"] < 1
 
 
 def test_cpu_facts_name_the_model_and_its_bf16_flags(tmp_path):
