@@ -8,7 +8,9 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   denominator), one token against the stale cache (`extend1_ratio`) beside the same token
   through transformers alone over a `DynamicCache` (`extend1_bare_ratio`) and beside its GEMM
   floor (`extend1_gemm_floor`: every decoder linear and the LM head on one row, i.e. every weight
-  streamed from memory once; `extend1_over_gemm_floor` = extend1 / that floor), `full_downstream`, the
+  streamed from memory once; `extend1_over_gemm_floor` = extend1 / that floor) and beside the one
+  copy of the cache every forward makes into buffers with room for its new tokens
+  (`extend1_copy_ratio`: kvnotes.cache.buffers alone), `full_downstream`, the
   erratum edit (`erratum_ratio`) beside its token floor (`erratum_floor` = (erratum + question
   tokens) / prompt tokens) and its GEMM floor (`erratum_gemm_floor`: the decoder's linear layers
   alone, applied to as many rows as the erratum recomputes, with nothing around them: what this
@@ -176,6 +178,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row["extend1_bare_ratio"] = ratio("extend1_bare", "prefill")
     row["extend1_gemm_floor"] = ratio("extend1_gemms", "prefill")
     row["extend1_over_gemm_floor"] = ratio("extend1", "extend1_gemms")
+    row["extend1_copy_ratio"] = ratio("extend1_copy", "prefill")
     row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
     row["erratum_ratio"] = ratio("erratum", "prefill")
     row["erratum_floor"] = info.get("erratum_floor")
@@ -206,7 +209,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
             ("extend1_ratio", "extend1", "{:.4f}"), ("extend1_bare_ratio", "ext1 bare", "{:.4f}"),
-            ("extend1_gemm_floor", "ext1 gemm", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
+            ("extend1_gemm_floor", "ext1 gemm", "{:.4f}"), ("extend1_copy_ratio", "ext1 copy", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
             ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
             ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"),

@@ -90,6 +90,7 @@ class Timed:
 
 def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
     from kvnotes import run, tasks
+    from kvnotes.cache import buffers
     from kvnotes.edit_strategies import Editor
     from kvnotes.patching import make_pair, patched_scores
 
@@ -110,6 +111,8 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
         Timed("extend1_bare", lambda: bare_forward(model, bare["cache"], tail),
               lambda: bare.update(cache=bare_cache(ed.stale))),
         Timed("extend1_gemms", gemm_pass(model, 1)),
+        # the one copy of the cache a forward makes (into buffers with room for the new token)
+        Timed("extend1_copy", lambda: buffers(ed.stale, 1, 1, model.device)),
         Timed("full_downstream", lambda: ed.full_downstream()),
         Timed("erratum", lambda: ed.erratum()),
         Timed("erratum_gemms", gemm_pass(model, err.recomputed)),

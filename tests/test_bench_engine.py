@@ -35,6 +35,7 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
 
     paths = [timed("prefill", [10, 12, 11]), timed("extend1", [0.1, 0.2, 0.15]),
              timed("extend1_bare", [0.2, 0.2, 0.2]), timed("extend1_gemms", [0.05, 0.05, 0.05]),
+             timed("extend1_copy", [0.022, 0.022, 0.022]),
              timed("full_downstream", [10, 10, 10]), timed("erratum", [1, 1, 1]),
              timed("erratum_gemms", [0.5, 0.6, 0.55]), timed("map", [15, 15, 15])]
     for tag in ("one", "multi"):
@@ -46,6 +47,7 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
     assert row["extend1_bare_ratio"] == pytest.approx(0.2 / 11)
     assert row["extend1_gemm_floor"] == pytest.approx(0.05 / 11)
     assert row["extend1_over_gemm_floor"] == pytest.approx(3)
+    assert row["extend1_copy_ratio"] == pytest.approx(0.002)
     assert row["erratum_gemm_floor"] == pytest.approx(0.55 / 11)
     assert row["erratum_over_gemm_floor"] == pytest.approx(1 / 0.55)
     assert row["transplant_speedup"] == pytest.approx(10) and row["limit_speedup"] == pytest.approx(12.5)
@@ -72,7 +74,7 @@ def test_edit_paths_time_one_token_through_transformers_alone_with_the_same_logi
     m = tiny_model("llama")
     paths, info = workloads.edit_paths(m, 700, with_map=False)
     by = {p.name: p for p in paths}
-    assert {"prefill", "extend1", "extend1_bare", "extend1_gemms", "erratum", "erratum_gemms"} <= set(by)
+    assert {"prefill", "extend1", "extend1_bare", "extend1_gemms", "extend1_copy", "erratum", "erratum_gemms"} <= set(by)
     engine.run_rounds(paths, reps=2, warmup=0, device=m.device)  # each call gets a fresh bare cache
     ours, bare = by["extend1"].last.logits[0, -1], by["extend1_bare"].last
     assert (ours - bare).abs().max().item() <= ATOL_FP32
