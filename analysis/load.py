@@ -177,7 +177,9 @@ def load(results: str | Path = "results/reference", *, jobs: Iterable[str] | Non
     frames = [f for f in frames if len(f)]
     if not frames:
         return pd.DataFrame(columns=list(RUN_COLUMNS))
-    return pd.concat(frames, ignore_index=True, sort=False)
+    # .copy() consolidates the blocks a concat of differently-columned frames leaves (pandas warns on
+    # every later column insert into a fragmented frame)
+    return pd.concat(frames, ignore_index=True, sort=False).copy()
 
 
 def job_params(frame: pd.DataFrame, run_id: str) -> dict[str, Any]:
