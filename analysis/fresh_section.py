@@ -23,7 +23,7 @@ from kvnotes.metrics import wilson_ci
 
 SUITES = ("gated", "gated-fresh")
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
-EDIT_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream", "selective_recompute_att@8")
+EDIT_STRATEGIES = ("stale", "field_only", "erratum", "field_erratum", "hoist", "full_downstream", "selective_recompute_att@8")
 
 
 def _summaries(frame: pd.DataFrame, job: str) -> dict[str, dict[str, tuple[str, dict[str, Any]]]]:
