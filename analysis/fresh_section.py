@@ -62,17 +62,20 @@ def _patching(by: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def _edit(by: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = ["| strategy | " + " | ".join(f"{s} P(correct) | {s} recovery" for s in SUITES) + " |",
-             "|---" * (1 + 2 * len(SUITES)) + "|"]
+    lines = ["| strategy | " + " | ".join(f"{s} P(correct) | {s} recovery" for s in SUITES)
+             + " | recomputed share of the prompt (" + " / ".join(SUITES) + ") |",
+             "|---" * (2 + 2 * len(SUITES)) + "|"]
     for name in EDIT_STRATEGIES:
-        cells = []
+        cells, cost = [], []
         for suite in SUITES:
             st = (by[suite][1].get("strategies") or {}).get(name) or {}
             pc = st.get("p_correct")
             pc_cell = (f"{pc['k']}/{pc['n']} {ci_cell(pc, 2)}" if isinstance(pc, dict) and pc.get("n") else "-")
             cells += [pc_cell, ci_cell(st.get("recovery"))]
+            frac = st.get("recompute_fraction")
+            cost.append(f"{frac['mean']:.3f}" if isinstance(frac, dict) and frac.get("mean") is not None else "-")
         if any(c != "-" for c in cells):
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {' / '.join(cost)} |")
     runs = ", ".join(f"{s} `{by[s][0]}` ({by[s][1].get('n_usable_p_correct')} usable for P(correct), "
                      f"{by[s][1].get('n_usable_recovery')} for recovery, of {by[s][1].get('n_items')})" for s in SUITES)
     return [*lines, "", f"Runs: {runs}."]

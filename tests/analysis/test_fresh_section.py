@@ -26,7 +26,8 @@ def _patching(field, notes):
 
 def _edit(k):
     return {"n_items": 48, "n_usable_recovery": 48, "n_usable_p_correct": 40,
-            "strategies": {"erratum": {"p_correct": _ci(k / 40, 0.8, 1.0, n=40, k=k), "recovery": _ci(2.0, 1.5, 2.5)}}}
+            "strategies": {"erratum": {"p_correct": _ci(k / 40, 0.8, 1.0, n=40, k=k), "recovery": _ci(2.0, 1.5, 2.5),
+                                        "recompute_fraction": _ci(0.15, 0.14, 0.16)}}}
 
 
 def test_both_suites_side_by_side_with_wilson_usable_counts(tmp_path):
@@ -44,6 +45,7 @@ def test_edit_rows_and_cot_runs_left_out(tmp_path):
             _run(tmp_path, "edit", "gated-fresh", "edit/q/3", _edit(1), variant="cot")]
     text = "\n".join(fresh_section(pd.DataFrame(rows)))
     assert "| erratum | 38/40 0.95 [0.80, 1.00] | 2.000 [1.500, 2.500] | 30/40 0.75 [0.80, 1.00] |" in text
+    assert text.count("| 0.150 / 0.150 |") == 1
     assert "1/40" not in text and "edit/q/3" not in text
     assert "Patching" not in text
 
