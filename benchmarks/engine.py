@@ -245,8 +245,36 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
     return out
 
 
+PROMPT_AROUND = 128  # tokens around a benchmark prompt of L tokens: system prefix and question, or an erratum
+
+
+def preflight(a: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run, found before any weights load (None: they can): an unknown
+    model or dtype, or a length that with the tokens around it exceeds the model's positions."""
+    from kvnotes.models import budget
+    from kvnotes.models.loading import DTYPES, looks_like_checkpoint
+    from kvnotes.models.registry import UnknownModelError, get_spec
+
+    if a.dtype not in ("auto", *DTYPES):
+        return f"--dtype {a.dtype!r}: valid: auto, {', '.join(DTYPES)}"
+    try:
+        get_spec(a.model)
+    except UnknownModelError as e:
+        if not looks_like_checkpoint(a.model):
+            return f"--model: {e.args[0]}; or give an HF checkpoint folder or hub id"
+        return None  # a checkpoint's positions are checked when it loads
+    shape = budget.model_shape(a.model, None, None)
+    if shape is None:  # not on this machine yet: loading fetches it, then fails clearly if too short
+        return None
+    return budget.position_problem(max(a.lengths), a.model, shape, "--lengths", PROMPT_AROUND)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    problem = preflight(a)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     from kvnotes.models import load_model

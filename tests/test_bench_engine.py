@@ -18,6 +18,26 @@ def test_arguments_are_checked_before_any_work():
             engine.parse_args(bad)
 
 
+def test_bad_model_dtype_or_length_is_one_line_before_any_weights_load(capsys, monkeypatch):
+    from kvnotes.models import budget
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr("kvnotes.models.load_model", no_load)
+    shape = budget.ModelShape.from_config(
+        {"max_position_embeddings": 8192, "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8},
+        "config.json")
+    monkeypatch.setattr(budget, "model_shape", lambda *a: shape)
+    for argv, said in ((["--model", "nosuch"], "--model: unknown model 'nosuch'"),
+                       (["--model", "llama", "--dtype", "fp8"], "--dtype 'fp8': valid: auto, float32"),
+                       (["--model", "llama", "--lengths", "1000,8100"],
+                        "--lengths=8100 plus 128 tokens around it exceeds the 8192 positions")):
+        assert engine.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1
+
+
 def test_the_bare_limit_matches_the_engine_and_flops_scale():
     m = tiny_model("qwen2")
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))

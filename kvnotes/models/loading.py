@@ -173,7 +173,7 @@ def _line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def _looks_like_checkpoint(name: str) -> bool:
+def looks_like_checkpoint(name: str) -> bool:
     """A folder, a path-like string, or an `org/name` hub id (registered names have no slash)."""
     return Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")) or name.count("/") == 1
 
@@ -257,7 +257,7 @@ def load_model(
     try:
         spec = get_spec(name)
     except UnknownModelError as e:
-        if not _looks_like_checkpoint(name):
+        if not looks_like_checkpoint(name):
             raise UnknownModelError(f"{e}; or give an HF checkpoint folder or hub id") from None
         spec = checkpoint_spec(name)
     adapter = adapter_for(spec.family)
