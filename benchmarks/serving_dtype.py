@@ -35,6 +35,28 @@ def prompt(i: int, tokens: int) -> str:
     return f"Request {i}. " + " ".join(rnd.choice(WORDS) for _ in range(tokens))
 
 
+SERVER_ROOM = 2048  # max_model_len = tokens + this
+
+
+def preflight(a: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run, before any weights are prepared or a server starts."""
+    from kvnotes.models import budget
+    from kvnotes.models.loading import DTYPES
+    from kvnotes.models.registry import UnknownModelError, get_spec
+
+    try:
+        get_spec(a.model)
+    except UnknownModelError as e:
+        return f"--model: {e.args[0]}"
+    bad = [d for d in a.dtypes.split(",") if d not in DTYPES]
+    if bad:
+        return f"--dtypes: unknown {', '.join(map(repr, bad))}; valid: {', '.join(DTYPES)}"
+    if a.tokens < 1 or a.reps < 1:
+        return "--tokens and --reps must be >= 1"
+    shape = budget.model_shape(a.model, None, None)
+    return budget.position_problem(a.tokens, a.model, shape, "--tokens", SERVER_ROOM) if shape else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen-1.5b")
@@ -45,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default="results/runs/serving_dtype")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    problem = preflight(a)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not Path(a.python).exists():
         print(f"error: {a.python} not found; run `bash scripts/serving_env.sh` first", file=sys.stderr)
         return 2
@@ -53,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     meds: dict[str, float] = {}
     for dtype in a.dtypes.split(","):
         spec = server.ServerSpec(python=a.python, model_path=str(path), served_name="m", dtype=dtype,
-                                 max_model_len=a.tokens + 2048)
+                                 max_model_len=a.tokens + SERVER_ROOM)
         s = server.Server(spec, Path(a.log_dir) / f"{a.model}_{dtype}.log")
         try:
             s.start()

@@ -754,3 +754,18 @@ def test_serving_benchmark_short_on_real_vllm(tmp_path, llama):
     assert seq["edit_field"]["0.2"]["hit_rate"] > 0.9  # both values were seen in the sequential phase
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["status"] == "completed"
+
+
+def test_serving_dtype_benchmark_refuses_bad_input_before_any_server(capsys, monkeypatch):
+    from benchmarks import serving_dtype
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights prepared")
+
+    monkeypatch.setattr(serving_dtype.weights, "prepare", no_weights)
+    for argv, said in ((["--model", "nosuch"], "--model: unknown model 'nosuch'"),
+                       (["--dtypes", "float32,fp9"], "--dtypes: unknown 'fp9'"),
+                       (["--reps", "0"], "--tokens and --reps must be >= 1")):
+        assert serving_dtype.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1
