@@ -89,12 +89,29 @@ def commit_layer(picks: Sequence[str]) -> int:
     return layer
 
 
+FP16_ROOM = 2.0 ** 15  # scaled magnitudes stay below float16's largest finite value (65504)
+
+
+def fp16_scaled(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """[rank, layer, d] as float16 over per-layer power-of-two scales, [layer] float32: x equals
+    f16 * scale[:, None] to float16's relative precision. Residual streams can exceed float16's
+    range (gemma-3's reach 1e5); a power of two rescales without rounding."""
+    peak = x.float().abs().amax(dim=(0, 2)) if x.numel() else torch.zeros(x.shape[1])
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(peak / FP16_ROOM, min=1.0))))
+    return (x.float() / scale[None, :, None]).cpu().numpy().astype(np.float16), scale.cpu().numpy()
+
+
 @dataclass
 class Prompt:
     row: dict[str, Any]
     feat: np.ndarray  # [layer, d_model] at the headline position
-    aggs: np.ndarray  # [aggregator rank from the last, layer, d_model], float16
+    aggs: np.ndarray  # [aggregator rank from the last, layer, d_model], float16, over agg_scale
     agg_info: list[tuple[str, float]]  # (segment, position in the downstream span 0..1) per rank
+    agg_scale: np.ndarray  # [layer] float32 powers of two: aggregator j's residual is agg(j)
+
+    def agg(self, j: int) -> np.ndarray:
+        """Aggregator rank j's residual stream, [layer, d_model] float32."""
+        return self.aggs[j].astype(np.float32) * self.agg_scale[:, None]
 
 
 def prompt_rows(model: LoadedModel, item: TaskItem, cfg: LinearConfig) -> list[Prompt]:
@@ -111,10 +128,10 @@ def prompt_rows(model: LoadedModel, item: TaskItem, cfg: LinearConfig) -> list[P
                "polarity": item.polarity if which == "old" else item.meta.get("polarity_new", item.polarity),
                "probe_pos": pos, "final_pick": picks[-1], "commit_layer": commit_layer(picks),
                "rel_commit": commit_layer(picks) / (len(picks) - 1), "n_aggregators": len(aggs)}
-        feats = resid[:, aggs].permute(1, 0, 2).cpu().numpy().astype(np.float16) if cfg.aggregators and aggs \
-            else np.zeros((0, *resid.shape[::2]), dtype=np.float16)  # [rank, layer, d_model]
+        feats, scale = fp16_scaled(resid[:, aggs].permute(1, 0, 2) if cfg.aggregators and aggs
+                                   else resid.new_zeros((0, *resid.shape[::2])))  # [rank, layer, d_model]
         info = [(segment_of(item, p), (p - item.field_span[1]) / span) for p in aggs]
-        out.append(Prompt(row, resid[:, pos].cpu().numpy(), feats, info))
+        out.append(Prompt(row, resid[:, pos].cpu().numpy(), feats, info, scale))
     return out
 
 
@@ -177,7 +194,7 @@ def aggregator_rows(prompts: Sequence[Prompt], groups: np.ndarray, cfg: LinearCo
         y = _labels(rows, label)
         per_rank = []
         for j in range(n_ranks):
-            x = np.stack([p.aggs[j] for p in prompts])  # [n, layer, d_model]
+            x = np.stack([p.agg(j) for p in prompts])  # [n, layer, d_model]
             ok = cv_correct(x, y, groups, cfg.n_splits, cfg.C)
             segs = [p.agg_info[j][0] for p in prompts]
             where = {"segment": max(set(segs), key=segs.count),

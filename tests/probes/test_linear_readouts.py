@@ -195,3 +195,19 @@ def test_tiny_model_probes_every_aggregator_with_both_labels(one_thread):
     for r in mean_rows:  # the mean over aggregators is the mean of the per-rank accuracies
         ranks = [p["accuracy"] for p in probe if p["label"] == r["label"] and p["layer"] == r["layer"]]
         assert len(ranks) == 3 and r["accuracy"] == pytest.approx(float(np.mean(ranks)))
+
+
+def test_aggregator_features_past_float16_range_are_kept_finite_and_exact_to_its_precision():
+    import torch
+
+    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    x[:, 2] *= 1e6  # gemma-3's residual stream reaches 1e5: float16 alone overflows to inf
+    x[:, 3] *= 1e-3
+    f16, scale = linear.fp16_scaled(x)
+    assert f16.dtype == np.float16 and np.isfinite(f16).all()
+    assert scale[0] == 1.0 and scale[3] == 1.0 and scale[2] > 1 and np.log2(scale[2]) == int(np.log2(scale[2]))
+    p = linear.Prompt({}, np.zeros((4, 16)), f16, [], scale)
+    back = np.stack([p.agg(j) for j in range(3)])
+    assert np.allclose(back, x.numpy(), rtol=2 ** -10, atol=1e-7)
+    empty, s0 = linear.fp16_scaled(torch.zeros(0, 4, 16))
+    assert empty.shape == (0, 4, 16) and (s0 == 1).all()
