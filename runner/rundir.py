@@ -130,7 +130,8 @@ def _stamp() -> str:
 
 
 class RunDirError(Exception):
-    """A run directory that cannot be used: not writable, or held by another process."""
+    """A run directory that cannot be used: not writable, held by another process, or (to resume)
+    started at another commit."""
 
 
 def new_dir(parent: Path) -> Path:
@@ -170,6 +171,19 @@ def find_unfinished(parent: Path, chash: str) -> Path | None:
         if status is not None and status != "completed":
             return path
     return None
+
+
+def commit_problem(found: Path, old: Mapping[str, Any], meta: Mapping[str, Any]) -> str | None:
+    """Why the unfinished run `found` (its meta.json: `old`) must not be resumed by code at
+    another commit (this run's `meta`), or None: its units would mix two versions of the code
+    under one run, which no reader can take apart (analysis.reference refuses such runs)."""
+    now = (meta.get("git") or {}).get("commit")
+    then = {str(a["git_commit"]) for a in old.get("attempts") or [] if isinstance(a, dict) and a.get("git_commit")}
+    then |= {c for c in [(old.get("git") or {}).get("commit")] if c}
+    if not now or not then or then == {now}:
+        return None
+    return (f"{found} was started at commit {', '.join(sorted(c[:7] for c in then))}, this code is at "
+            f"{str(now)[:7]}: check that commit out to resume it, or pass resume=false to start a new run")
 
 
 class RunLock:
@@ -249,6 +263,10 @@ class RunDir:
                 lock.release()
                 continue
             old = read_json(found / "meta.json")
+            problem = commit_problem(found, old, meta)
+            if problem:
+                lock.release()
+                raise RunDirError(problem)
             run = cls(found, {**old, **meta, "start_time": old.get("start_time")}, lock)
         if run is None:
             path = new_dir(parent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
@@ -128,6 +129,29 @@ def test_failed_run_records_the_error_and_resume_false_starts_fresh(tmp_path, mo
     monkeypatch.undo()
     fresh = runner.run(selfcheck_cfg(tmp_path, "resume=false"))
     assert fresh != failed and read(failed / "meta.json")["status"] == "failed"
+
+
+def test_an_unfinished_run_from_another_commit_is_not_resumed_silently(tmp_path, monkeypatch):
+    from runner.rundir import RunDirError
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(kvnotes.compose, "self_check", broken)
+    with pytest.raises(RuntimeError):
+        runner.run(selfcheck_cfg(tmp_path))
+    (failed,) = (tmp_path / "selfcheck" / "tiny-llama").iterdir()
+    meta = read(failed / "meta.json")
+    meta["git"]["commit"] = "0" * 40
+    for a in meta["attempts"]:
+        a["git_commit"] = "0" * 40
+    (failed / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.undo()
+    with pytest.raises(RunDirError, match="started at commit 0000000, this code is at .*resume=false"):
+        runner.run(selfcheck_cfg(tmp_path))
+    assert read(failed / "meta.json")["attempts"] == meta["attempts"]  # untouched, and unlocked:
+    fresh = runner.run(selfcheck_cfg(tmp_path, "resume=false"))
+    assert fresh != failed and read(fresh / "meta.json")["status"] == "completed"
 
 
 def test_failed_summary_keeps_units_for_the_rerun(tmp_path, monkeypatch):
