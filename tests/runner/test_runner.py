@@ -114,19 +114,25 @@ def test_interrupted_run_resumes_and_skips_done_units(tmp_path, monkeypatch):
     assert again != run_dir and len(calls) == 5
 
 
-def test_failed_run_records_the_error_and_resume_false_starts_fresh(tmp_path, monkeypatch):
+def _failed_run(tmp_path, monkeypatch):
+    """The run dir of a selfcheck run whose first unit raised (the patch undone after)."""
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(kvnotes.compose, "self_check", broken)
     with pytest.raises(RuntimeError):
         runner.run(selfcheck_cfg(tmp_path))
-    parent = tmp_path / "selfcheck" / "tiny-llama"
-    (failed,) = parent.iterdir()
+    monkeypatch.undo()
+    (failed,) = (tmp_path / "selfcheck" / "tiny-llama").iterdir()
+    return failed
+
+
+def test_failed_run_records_the_error_and_resume_false_starts_fresh(tmp_path, monkeypatch):
+    failed = _failed_run(tmp_path, monkeypatch)
+    parent = failed.parent
     meta = read(failed / "meta.json")
     assert meta["status"] == "failed" and "boom" in meta["error"]
     assert find_unfinished(parent, meta["config_hash"]) == failed
-    monkeypatch.undo()
     fresh = runner.run(selfcheck_cfg(tmp_path, "resume=false"))
     assert fresh != failed and read(failed / "meta.json")["status"] == "failed"
 
@@ -134,19 +140,12 @@ def test_failed_run_records_the_error_and_resume_false_starts_fresh(tmp_path, mo
 def test_an_unfinished_run_from_another_commit_is_not_resumed_silently(tmp_path, monkeypatch):
     from runner.rundir import RunDirError
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(kvnotes.compose, "self_check", broken)
-    with pytest.raises(RuntimeError):
-        runner.run(selfcheck_cfg(tmp_path))
-    (failed,) = (tmp_path / "selfcheck" / "tiny-llama").iterdir()
+    failed = _failed_run(tmp_path, monkeypatch)
     meta = read(failed / "meta.json")
     meta["git"]["commit"] = "0" * 40
     for a in meta["attempts"]:
         a["git_commit"] = "0" * 40
     (failed / "meta.json").write_text(json.dumps(meta))
-    monkeypatch.undo()
     with pytest.raises(RunDirError, match="started at commit 0000000, this code is at .*resume=false"):
         runner.run(selfcheck_cfg(tmp_path))
     assert read(failed / "meta.json")["attempts"] == meta["attempts"]  # untouched, and unlocked:
