@@ -97,7 +97,9 @@ def fresh_section(frame: pd.DataFrame) -> list[str]:
             if reading:
                 out += [f"Fresh suite, the probe's own reading: {reading}", ""]
         if model in edit:
-            out += ["Edit (P(correct) with Wilson CI over items usable for it; recovery with 95 % bootstrap CI):", "",
+            out += ["Edit (P(correct) with Wilson CI over items usable for it; recovery with 95 % bootstrap CI; a "
+                    "recovery above 1 moves the decision past where the oracle prefill puts it, an overshoot, so "
+                    "P(correct) is the reading for the erratum strategies):", "",
                     *_edit(edit[model]), ""]
         else:
             out += ["Edit: no run on both suites yet.", ""]
