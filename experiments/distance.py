@@ -19,6 +19,7 @@ n, usable share (Wilson interval), mean |delta| and both recoveries (bootstrap C
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +30,14 @@ from kvnotes.metrics import ci_dict, wilson_ci
 from kvnotes.models import budget
 from kvnotes.patching import make_pair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
+from kvnotes.timing import check_fits
 
 if TYPE_CHECKING:
     from experiments._context import Context
     from kvnotes.models import LoadedModel
     from kvnotes.patching import PatchPair
+
+log = logging.getLogger(__name__)
 
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
 MAX_DISTANCE = 8000
@@ -154,6 +158,10 @@ def run(ctx: Context) -> None:
     params: DistanceConfig = ctx.params
     margin = float(ctx.cfg.model.margin if params.margin is None else params.margin)
     items = {f"item-{it.item_id}": it for it in build_items(ctx)}
+    longest = max((it.n_tokens for it in items.values()), default=0)
+    if longest:  # these prompts, not the task's length, set the peak: checked before any forward
+        log.info("distance prompts up to %d tokens (the task's length is not used): %s", longest,
+                 check_fits(ctx.model, longest))
     for key in ctx.pending(list(items), desc="distance items"):
         ctx.write(key, [measure(ctx.model, items[key], margin, params.batch_size)])
 

@@ -49,6 +49,8 @@ def test_end_to_end_one_record_per_item_and_distance(tmp_path, one_thread):
     d = s["per_distance"]["110"]
     assert d["n"] == 2 and d["n_usable"] == 2 and d["field_only"]["n"] == 2
     assert d["usable_share"]["ci_lo"] < 1.0 == d["usable_share"]["mean"]  # Wilson: never zero-width
+    longest = int(rec["n_tokens"].max())  # the memory check reads these prompts, not task.length
+    assert f"distance prompts up to {longest} tokens" in (run_dir / "run.log").read_text()
 
 
 def test_unusable_items_keep_nan_recoveries_and_a_note(tmp_path, one_thread):
