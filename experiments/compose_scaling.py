@@ -1,7 +1,7 @@
 """Experiment `compose_scaling`: time to first token, full prefill vs transplant vs the limit.
 
 For each skill length L a skill block of exactly L tokens is precompiled (prefilled alone and
-saved to the store), and three paths to the first token of a question are timed side by side in
+saved to the store), and the paths to the first token of a question are timed side by side in
 one process, alternating their order every repeat:
 
 * full prefill: skill + question after the cached system prefix, O(L^2) attention + O(L) MLP
@@ -9,9 +9,11 @@ one process, alternating their order every repeat:
 * transplant: load the block from the store (mmap, content hash checked) inside the timed
   region, rotate its keys by the prefix length into a buffer after the cached system prefix,
   then the `seam` repaired tokens and the question in one forward (compose.transplant_extend);
-* the limit: only the question against an already cached prefix + skill context, forwarded by
-  transformers alone over its own DynamicCache (kvnotes.limit), so that it carries none of
-  kvnotes' own call path; the cache is rebuilt untimed before each call.
+* the limit: only the question against an already cached prefix + skill context, forwarded
+  two ways: by transformers alone over its own DynamicCache (path `limit`, carrying none of
+  kvnotes' call path; the cache is rebuilt untimed before each call) and by kvnotes' extend
+  (path `limit_engine`). The limit is the faster of the two (`limit_path`); kvnotes.limit says
+  why neither alone is a floor.
 
 speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
 limit (it adds the load, one rotation per layer and the seam tokens). Every timed region is
@@ -105,7 +107,7 @@ def cache_mb(cache: Any) -> float:
     return sum(t.numel() * t.element_size() for t in cache.keys + cache.values) / 2**20
 
 
-# --- the three paths --------------------------------------------------------------------------
+# --- the paths ------------------------------------------------------------------------------
 
 
 def skill_ids(tok: Any, skill: str, length: int, seed: int) -> list[int]:
@@ -191,8 +193,12 @@ def one_length(
     def limit() -> torch.Tensor:
         return bare_forward(model, state.pop("bare"), question_t)
 
+    def limit_engine() -> torch.Tensor:
+        return engine.extend(model, state["context"], question).logits[0, -1]
+
     paths: list[tuple[str, int | None, Callable[[], torch.Tensor]]] = [
         ("full", None, full), ("transplant", cfg.seam, transplant(cfg.seam)), ("limit", None, limit),
+        ("limit_engine", None, limit_engine),
         *[("transplant", k, transplant(k)) for k in cfg.extra_seams if k != cfg.seam],
     ]
     rows: list[dict[str, Any]] = []
@@ -232,7 +238,7 @@ def paper_speedup(length: int) -> float | None:
 
 
 def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[str, Any]:
-    """Per length: medians of the three paths, speedups with CIs, memory, fidelity, targets."""
+    """Per length: medians of the paths, speedups with CIs, memory, fidelity, targets."""
     df = pd.DataFrame(records)
     out: dict[str, Any] = {"gate": gate_summary(df, cfg.gate), "seam": cfg.seam, "lengths": {}}
     t = df[df["kind"] == "timing"] if "kind" in df.columns else df.iloc[:0]
@@ -240,12 +246,17 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
         def sel(path: str, seam: int = -1, g: pd.DataFrame = g) -> pd.DataFrame:
             return g[(g["path"] == path) & (g["seam"] == seam)].sort_values("repeat")
 
-        full, tp, lim = sel("full"), sel("transplant", cfg.seam), sel("limit")
+        full, tp, bare, eng = sel("full"), sel("transplant", cfg.seam), sel("limit"), sel("limit_engine")
+        # the limit is the faster question-only forward of the two (kvnotes.limit)
+        faster = len(eng) > 0 and eng["seconds"].median() < bare["seconds"].median()
+        path, lim = ("engine", eng) if faster else ("bare", bare)
         f, x, m = (s["seconds"].to_numpy() for s in (full, tp, lim))
         n = min(len(f), len(x), len(m))
         row: dict[str, Any] = {
             "full_prefill_s": float(np.median(f)), "transplant_s": float(np.median(x)),
-            "limit_s": float(np.median(m)),
+            "limit_s": float(np.median(m)), "limit_path": path,
+            "limit_bare_s": float(bare["seconds"].median()),
+            "limit_engine_s": float(eng["seconds"].median()) if len(eng) else None,
             "speedup": float(np.median(f) / np.median(x)),
             "limit_speedup": float(np.median(f) / np.median(m)),
             "speedup_ci": ci_dict(f[:n] / x[:n], cfg.n_boot),

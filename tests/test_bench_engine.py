@@ -49,10 +49,11 @@ def test_the_bare_limit_matches_the_engine_and_flops_scale():
     assert full > limit > 0 and workloads.forward_flops(m, 7, 330) > limit
 
 
-def test_summary_has_the_issue_keys_as_ratios_of_medians():
-    def timed(name, times):
-        return workloads.Timed(name, lambda: None, times=list(times))
+def timed(name, times):
+    return workloads.Timed(name, lambda: None, times=list(times))
 
+
+def test_summary_has_the_issue_keys_as_ratios_of_medians():
     paths = [timed("prefill", [10, 12, 11]), timed("extend1", [0.1, 0.2, 0.15]),
              timed("extend1_bare", [0.2, 0.2, 0.2]), timed("extend1_gemms", [0.05, 0.05, 0.05]),
              timed("extend1_copy", [0.022, 0.022, 0.022]),
@@ -74,6 +75,20 @@ def test_summary_has_the_issue_keys_as_ratios_of_medians():
     assert row["transplant_share_of_limit"] == pytest.approx(0.8)
     assert row["multiblock_share_of_limit"] == pytest.approx(0.8)
     assert "L" in engine.table([row]) and "0.80" in engine.table([row])
+    assert row["limit_path"] == "bare" and row["limit_bare_speedup"] == pytest.approx(12.5)
+
+
+def test_the_limit_is_the_faster_question_only_forward_of_the_two():
+    """transformers' own forward can be slower than kvnotes' (repeat_kv at long contexts): then
+    the engine's forward is the floor, and the shares are against it."""
+    paths = [timed("prefill", [10] * 3)]
+    for tag, engine_s in (("one", 0.5), ("multi", 1.0)):
+        paths += [timed(f"{tag}_full", [10] * 3), timed(f"{tag}_transplant", [1] * 3),
+                  timed(f"{tag}_limit", [0.8] * 3), timed(f"{tag}_limit_engine", [engine_s] * 3)]
+    row = engine.summarize(2000, paths, {})
+    assert row["limit_path"] == "engine" and row["limit_speedup"] == pytest.approx(20)
+    assert row["limit_bare_speedup"] == pytest.approx(12.5) and row["transplant_share_of_limit"] == pytest.approx(0.5)
+    assert row["multiblock_limit_path"] == "bare" and row["multiblock_share_of_limit"] == pytest.approx(0.8)
 
 
 def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():

@@ -589,3 +589,18 @@ def test_reference_copy_takes_the_four_files_of_completed_runs_only(tmp_path):
     with pytest.raises(ValueError, match="only completed runs"):
         reference.copy_run(run, tmp_path / "ref2")
     assert reference.main([str(tmp_path / "nowhere"), "--to", str(tmp_path / "ref3")]) == 2
+
+
+def test_the_ttft_limit_is_the_faster_of_its_two_timings_per_run_and_length():
+    from analysis.figures.ttft_scaling import fastest_limit
+
+    def row(run, length, path, seconds, repeat=0):
+        return {"run_id": run, "length": length, "path": path, "seconds": seconds, "repeat": repeat, "seam": -1}
+
+    t = pd.DataFrame([row("new", 512, "limit", 0.3), row("new", 512, "limit_engine", 0.2),  # engine faster
+                      row("new", 4096, "limit", 1.0), row("new", 4096, "limit_engine", 2.0),  # bare faster
+                      row("old", 512, "limit", 0.5), row("old", 512, "full", 9.0)])  # an older run: bare only
+    out = fastest_limit(t).set_index(["run_id", "length", "path"])["seconds"]
+    assert out[("new", 512, "limit")] == 0.2 and out[("new", 4096, "limit")] == 1.0
+    assert out[("old", 512, "limit")] == 0.5 and out[("old", 512, "full")] == 9.0
+    assert len(out) == 4 and "limit_engine" not in out.index.get_level_values("path")
