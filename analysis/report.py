@@ -30,6 +30,7 @@ from analysis.claims import ours as ours  # re-exported: notebooks call report.o
 from analysis.distance_section import distance_section
 from analysis.dtype_section import dtype_section
 from analysis.fresh_section import fresh_section
+from analysis.heads_section import heads_section
 from analysis.reference import in_history
 
 # --- cells --------------------------------------------------------------------------------------
@@ -265,7 +266,8 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
     lines += ["## Verdicts at a glance", "", "| verdict | claims x models |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
-    lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *distance_section(frame, dist_png),
+    lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *heads_section(frame),
+              *distance_section(frame, dist_png),
               *(dtype_section(results) if Path(results).is_dir() else [])]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs not from a clean commit", "", *dirty_section(frame), "",

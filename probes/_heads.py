@@ -45,19 +45,23 @@ def head_records(
     rng: random.Random,
     base: Mapping[str, Any],
     batch_size: int = 64,
+    given: Mapping[str, list[tuple[int, int]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-head effects and the k-head curves of one item. att: [layer, head, cached pos]."""
+    """Per-head effects and the k-head curves of one item. att: [layer, head, cached pos].
+
+    `given`: head orders the caller ranked (experiment `heads_heldout`: by effect on other items);
+    an "effect" order given is used as is, without measuring the single-head effects again.
+    """
     L, H = int(att.shape[0]), int(att.shape[1])
     z_new = interp.tail_head_outputs(model, pair.new, pair.tail)  # [layer, head, d_head]
-    every = [(layer, head) for layer in range(L) for head in range(H)]
+    every = all_heads(L, H)
     notes = att[..., pair.downstream_positions].sum(-1)  # [layer, head]
     rows: list[dict[str, Any]] = []
-    order: dict[str, list[tuple[int, int]]] = {}
+    order: dict[str, list[tuple[int, int]]] = dict(given or {})
     order["attention"] = [every[i] for i in torch.argsort(notes.flatten(), descending=True, stable=True).tolist()]
-    if "effect" in rankings:
+    if "effect" in rankings and "effect" not in order:
         single = _recover(model, pair, z_new, [[h] for h in every], batch_size)
-        key = np.nan_to_num(single, nan=-np.inf)
-        order["effect"] = [every[i] for i in np.argsort(-key, kind="stable")]
+        order["effect"] = rank_heads(single, every)
         rows += [dict(base) | {"condition": "head_single", "layer": layer, "head": head,
                                "attention_to_notes": float(notes[layer, head]), "recovery": float(r)}
                  for (layer, head), r in zip(every, single, strict=True)]
@@ -70,6 +74,24 @@ def head_records(
     rows += [dict(base) | row | {"heads": str(sorted(s)), "recovery": float(r)}
              for (row, s), r in zip(sets, rec, strict=True)]
     return rows
+
+
+def all_heads(n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+    """Every (layer, head), layer-major: the order of single-head effect arrays."""
+    return [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
+
+
+def rank_heads(effects: np.ndarray, every: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Heads by effect, largest first (NaN last; ties keep layer-major order)."""
+    key = np.nan_to_num(np.asarray(effects, dtype=float), nan=-np.inf)
+    return [every[i] for i in np.argsort(-key, kind="stable")]
+
+
+def single_effects(model: LoadedModel, pair: PatchPair, batch_size: int = 64) -> np.ndarray:
+    """Each head's own recovery on one item (layer-major, as `all_heads`)."""
+    z_new = interp.tail_head_outputs(model, pair.new, pair.tail)
+    return _recover(model, pair, z_new, [[h] for h in all_heads(int(z_new.shape[0]), int(z_new.shape[1]))],
+                    batch_size)
 
 
 def _recover(model: LoadedModel, pair: PatchPair, z_new: torch.Tensor,

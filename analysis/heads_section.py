@@ -1,0 +1,54 @@
+"""The report's read-head section: is the gap to the paper's top-12 recovery a ranking question?
+
+Reads the newest `heads_heldout` run per model (its summary.json: the CIs its job computed from
+records.parquet). On the same items, recovery from patching k heads at the decision token, with
+heads ranked four ways: by attention to the notes (the paper's ranking), by their own effect on
+the item (in sample: an upper bound), by their mean effect on the *other* items (held out: what a
+ranking that never sees the item achieves), and at random. The paired differences at the paper's
+k say whether the held-out ranking beats attention and how much of the in-sample curve survives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from analysis.aggregate import model_label
+from analysis.blend_section import ci_cell
+from analysis.load import newest_summaries
+
+RANKINGS = (("attention", "attention to the notes"), ("effect_heldout", "effect on the other items (held out)"),
+            ("effect", "effect on the item itself (in sample)"), ("random", "random"))
+
+
+def _curve(s: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    curves = (s.get("heads") or {}).get("curves") or {}
+    return {rk: {int(p["n_heads"]): p for p in pts} for rk, pts in curves.items()}
+
+
+def heads_section(frame: pd.DataFrame) -> list[str]:
+    """Markdown lines, one table per model with a heads_heldout run; [] when there is none."""
+    runs = newest_summaries(frame, "heads_heldout")
+    if not runs:
+        return []
+    lines = ["## Read heads: ranking or protocol? (cross-fitted)", "",
+             "Recovery when the outputs of k heads at the decision token are patched from the new run into the "
+             "old (`+experiment=heads_heldout`), heads ranked four ways on the same items. The in-sample effect "
+             "ranking sees the item it is scored on, so it is an upper bound; the held-out one ranks each item's "
+             "heads by their mean effect on the other items. Means over items with 95 % bootstrap CIs (random: "
+             "draws averaged per item first).", ""]
+    for model, run_id, s in runs:
+        curves = _curve(s)
+        ks = sorted({k for c in curves.values() for k in c})
+        present = [(rk, name) for rk, name in RANKINGS if rk in curves]
+        lines += [f"### {model_label(model)} ({s.get('n_curve_items')} items; margin {s.get('margin')}; run `{run_id}`)", "",
+                  "| k | " + " | ".join(name for _, name in present) + " |", "|---" * (1 + len(present)) + "|"]
+        lines += [f"| {k} | " + " | ".join(ci_cell(curves[rk].get(k)) for rk, _ in present) + " |" for k in ks]
+        diffs = [(key, v) for key, v in s.items() if key.startswith(("heldout_minus_attention_k", "effect_minus_heldout_k"))]
+        if diffs:
+            lines += ["", "Paired over items: " + "; ".join(
+                f"{key.rsplit('_k', 1)[0].replace('_', ' ')} at k = {key.rsplit('_k', 1)[1]}: {ci_cell(v)}"
+                for key, v in diffs) + "."]
+        lines.append("")
+    return lines

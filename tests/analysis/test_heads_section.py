@@ -1,0 +1,26 @@
+"""analysis.heads_section: the four head rankings side by side, from each run's summary."""
+
+import json
+
+import pandas as pd
+
+from analysis.heads_section import heads_section
+
+
+def _ci(mean, n=40):
+    return {"mean": mean, "ci_lo": mean - 0.05, "ci_hi": mean + 0.05, "n": n}
+
+
+def test_one_row_per_k_and_the_paired_differences(tmp_path):
+    curves = {rk: [{"n_heads": k, **_ci(v * k)} for k in (1, 12)]
+              for rk, v in (("attention", 0.01), ("effect", 0.08), ("effect_heldout", 0.05), ("random", 0.0))}
+    s = {"n_curve_items": 40, "margin": 0.03, "heads": {"curves": curves},
+         "heldout_minus_attention_k12": _ci(0.48), "effect_minus_heldout_k12": _ci(0.36)}
+    (tmp_path / "summary.json").write_text(json.dumps(s))
+    frame = pd.DataFrame([{"job": "heads_heldout", "model": "qwen-1.5b", "run_id": "heads_heldout/q/1",
+                           "run_path": str(tmp_path)}])
+    text = "\n".join(heads_section(frame))
+    assert "| k | attention to the notes | effect on the other items (held out) |" in text
+    assert "| 12 | 0.120 [0.070, 0.170] | 0.600 [0.550, 0.650] | 0.960 [0.910, 1.010] | 0.000 [-0.050, 0.050] |" in text
+    assert "heldout minus attention at k = 12: 0.480 [0.430, 0.530]" in text
+    assert heads_section(pd.DataFrame([{"job": "knockout", "model": "q", "run_id": "k/1", "run_path": "."}])) == []
