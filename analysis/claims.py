@@ -182,7 +182,8 @@ def ttft_speedup(length: int) -> Extractor:
             dev = d["device_record"].iloc[0] if "device_record" in d else d["device"].iloc[0]
             rows.append({"model": m, "mean": r["mean"], "lo": r["lo"], "hi": r["hi"], "n": r["n"],
                          "runs": d["run_id"].iloc[0],
-                         "note": f"{int(near[0])} tokens, seam {seam}, {dev}; n = repeats"})
+                         "note": f"{int(near[0])} tokens, seam {seam}, {dev}; n = repeats; "
+                                 "interval: min-max over the repeats, not a CI"})
         return _rows(rows)
     return f
 

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import style
-from analysis.aggregate import ci_table, mean_ci, reference
+from analysis.aggregate import reference
 from analysis.figures import Skip
 from analysis.load import job_params
 
@@ -29,7 +29,8 @@ PATHS = (("full", "#d62728", "full prefill"), ("transplant", "#1f77b4", "transpl
 
 
 def speedups(t: pd.DataFrame, seam: int) -> pd.DataFrame:
-    """Per length: paired per-repeat ratios full / transplant@seam and full / limit, with CIs."""
+    """Per length: paired per-repeat ratios full / transplant@seam and full / limit, their mean
+    and min-max (a run has 2-5 repeats: too few for a bootstrap interval)."""
     rows = []
     for length, g in t.groupby("length"):
         full = g[g["path"] == "full"].set_index("repeat")["seconds"]
@@ -37,9 +38,22 @@ def speedups(t: pd.DataFrame, seam: int) -> pd.DataFrame:
                           ("limit", g["path"] == "limit")):
             other = g[sel].set_index("repeat")["seconds"]
             both = pd.concat([full, other], axis=1, join="inner").to_numpy(dtype=float)
-            mean, lo, hi, n = mean_ci(both[:, 0] / both[:, 1]) if len(both) else (np.nan,) * 3 + (0,)
+            mean, lo, hi, n = min_max(both[:, 0] / both[:, 1])
             rows.append({"length": length, "path": name, "mean": mean, "lo": lo, "hi": hi, "n": n})
     return pd.DataFrame(rows)
+
+
+def min_max(x: np.ndarray) -> tuple[float, float, float, int]:
+    """(mean, min, max, n) of the finite values; NaN when there is none."""
+    x = x[np.isfinite(x)]
+    return (float(x.mean()), float(x.min()), float(x.max()), int(x.size)) if x.size else (np.nan,) * 3 + (0,)
+
+
+def seconds_by_length(sel: pd.DataFrame) -> pd.DataFrame:
+    """Per length: mean, min and max seconds over repeats (columns as analysis.aggregate.ci_table)."""
+    rows = [{"length": length, **dict(zip(("mean", "lo", "hi", "n"), min_max(g["seconds"].to_numpy(dtype=float))))}
+            for length, g in sel.groupby("length")]
+    return pd.DataFrame(rows, columns=["length", "mean", "lo", "hi", "n"])
 
 
 def timing(frame: pd.DataFrame) -> pd.DataFrame:
@@ -89,7 +103,7 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         ax, bx = axes[2 * i], axes[2 * i + 1]
         for path, col, lab in PATHS:
             sel = d[(d["path"] == path) & ((d["seam"] == seam) if path == "transplant" else True)]
-            tt = ci_table(sel, "seconds", ["length"], unit=("run_id", "length", "repeat"))
+            tt = seconds_by_length(sel)
             if len(tt):
                 tt[["mean", "lo", "hi"]] *= 1000
                 style.band(ax, tt, "length", f"{lab}{f' (seam {seam})' if path == 'transplant' else ''} ({style.n_range(tt)} repeats)", col)
@@ -118,6 +132,6 @@ def make(frame: pd.DataFrame, out: Path) -> list[Path]:
         style.legend(bx, loc="upper left")
     caption = ("TTFT = wall time from the request to the first token's logits, paths timed side by side in "
                "one process, order rotated every repeat. Left: mean over repeats; right: mean of the per-repeat "
-               "ratios. n = repeats per length; shaded: 95 % bootstrap CI over repeats (few repeats: wide or "
-               "absent). Grey: the paper's numbers, a different model on a GPU.")
+               "ratios. n = repeats per length; shaded: min-max over the repeats (too few for a confidence "
+               "interval). Grey: the paper's numbers, a different model on a GPU.")
     return style.finish(fig, TITLE, caption, out, NAME, t)

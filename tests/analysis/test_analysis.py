@@ -604,3 +604,15 @@ def test_the_ttft_limit_is_the_faster_of_its_two_timings_per_run_and_length():
     assert out[("new", 512, "limit")] == 0.2 and out[("new", 4096, "limit")] == 1.0
     assert out[("old", 512, "limit")] == 0.5 and out[("old", 512, "full")] == 9.0
     assert len(out) == 4 and "limit_engine" not in out.index.get_level_values("path")
+
+
+def test_ttft_speedups_show_min_max_over_repeats_not_a_bootstrap():
+    from analysis.figures.ttft_scaling import speedups
+
+    full = [4.0, 8.0, 12.0]  # transplant 2 s each: ratios 2, 4, 6
+    rows = [{"length": 512, "path": "full", "seam": np.nan, "repeat": r, "seconds": s} for r, s in enumerate(full)]
+    rows += [{"length": 512, "path": "transplant", "seam": 4, "repeat": r, "seconds": 2.0} for r in range(3)]
+    rows += [{"length": 512, "path": "limit", "seam": np.nan, "repeat": r, "seconds": 1.0} for r in range(3)]
+    sp = speedups(pd.DataFrame(rows), 4).set_index("path")
+    assert tuple(sp.loc["transplant", ["mean", "lo", "hi", "n"]]) == (4.0, 2.0, 6.0, 3)
+    assert tuple(sp.loc["limit", ["lo", "hi"]]) == (4.0, 12.0)
