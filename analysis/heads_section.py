@@ -50,5 +50,31 @@ def heads_section(frame: pd.DataFrame) -> list[str]:
             lines += ["", "Paired over items: " + "; ".join(
                 f"{key.rsplit('_k', 1)[0].replace('_', ' ')} at k = {key.rsplit('_k', 1)[1]}: {ci_cell(v)}"
                 for key, v in diffs) + "."]
+            lines += ["", reading(s)]
         lines.append("")
     return lines
+
+
+def reading(s: dict[str, Any]) -> str:
+    """One sentence from the paired differences' CIs: is the gap between the attention ranking and
+    an effect ranking the ranking itself, and is the in-sample curve fit to its own item?"""
+    key = next((k for k in s if k.startswith("heldout_minus_attention_k")), None)
+    if key is None:
+        return ""
+    k = key.rsplit("_k", 1)[1]
+    gap, fit = s.get(key) or {}, s.get(f"effect_minus_heldout_k{k}") or {}
+    if not gap or not fit:
+        return ""
+    if gap["ci_lo"] > 0:
+        out = (f"Reading: heads ranked on the other items recover more than heads ranked by attention at k = {k}: "
+               "the shortfall of the attention ranking is the ranking, not the patching protocol, since heads "
+               "found without seeing the item carry its decision")
+    elif gap["ci_hi"] < 0:
+        out = f"Reading: at k = {k} the attention ranking beats the held-out effect ranking"
+    else:
+        out = f"Reading: at k = {k} the held-out and attention rankings cannot be told apart"
+    if fit["ci_lo"] > 0:
+        out += "; the in-sample ranking recovers more still, so part of its curve is fit to the item it scores."
+    else:
+        out += "; the in-sample ranking adds nothing the held-out one does not find."
+    return out

@@ -23,4 +23,15 @@ def test_one_row_per_k_and_the_paired_differences(tmp_path):
     assert "| k | attention to the notes | effect on the other items (held out) |" in text
     assert "| 12 | 0.120 [0.070, 0.170] | 0.600 [0.550, 0.650] | 0.960 [0.910, 1.010] | 0.000 [-0.050, 0.050] |" in text
     assert "heldout minus attention at k = 12: 0.480 [0.430, 0.530]" in text
+    assert "the shortfall of the attention ranking is the ranking" in text  # CI of the gap above 0
+    assert "part of its curve is fit to the item" in text
     assert heads_section(pd.DataFrame([{"job": "knockout", "model": "q", "run_id": "k/1", "run_path": "."}])) == []
+
+
+def test_the_reading_follows_the_intervals_not_the_means():
+    from analysis.heads_section import reading
+
+    both = {"heldout_minus_attention_k12": _ci(0.03), "effect_minus_heldout_k12": _ci(0.02)}  # CIs straddle 0
+    text = reading(both)
+    assert "cannot be told apart" in text and "adds nothing" in text
+    assert reading({}) == ""
