@@ -77,4 +77,8 @@ def reading(s: dict[str, Any]) -> str:
         out += "; the in-sample ranking recovers more still, so part of its curve is fit to the item it scores."
     else:
         out += "; the in-sample ranking adds nothing the held-out one does not find."
+    over = [name for rk, name in RANKINGS if (p := _curve(s).get(rk, {}).get(int(k))) and p["ci_lo"] > 1]
+    if over:
+        out += (f" Above 1 at k = {k} ({', '.join(over)}): the patched heads push the decision past the new "
+                "run's score, an overshoot, not a fuller recovery.")
     return out

@@ -25,6 +25,7 @@ def test_one_row_per_k_and_the_paired_differences(tmp_path):
     assert "heldout minus attention at k = 12: 0.480 [0.430, 0.530]" in text
     assert "the shortfall of the attention ranking is the ranking" in text  # CI of the gap above 0
     assert "part of its curve is fit to the item" in text
+    assert "overshoot" not in text  # every curve at k = 12 stays below 1
     assert heads_section(pd.DataFrame([{"job": "knockout", "model": "q", "run_id": "k/1", "run_path": "."}])) == []
 
 
@@ -35,3 +36,11 @@ def test_the_reading_follows_the_intervals_not_the_means():
     text = reading(both)
     assert "cannot be told apart" in text and "adds nothing" in text
     assert reading({}) == ""
+
+
+def test_a_curve_above_one_is_called_an_overshoot():
+    from analysis.heads_section import reading
+
+    s = {"heads": {"curves": {"effect": [{"n_heads": 12, **_ci(2.0)}], "attention": [{"n_heads": 12, **_ci(0.3)}]}},
+         "heldout_minus_attention_k12": _ci(0.5), "effect_minus_heldout_k12": _ci(1.0)}
+    assert "Above 1 at k = 12 (effect on the item itself (in sample)): " in reading(s)
