@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvnotes.patching import make_pair
+from kvnotes.patching import PatchPair, make_pair
 from probes._common import (
     item_fields,
     margin_rule,
@@ -103,6 +103,12 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: HeadsHeldoutConfig) -> 
     return out
 
 
+def _base(pair: PatchPair, margin: float, rule: str) -> dict[str, Any]:
+    """The fields every record of one usable item carries."""
+    return item_fields(pair.item) | {"margin": margin, "margin_rule": rule, "score_stale": pair.score_stale,
+                                     "score_oracle": pair.score_oracle}
+
+
 def run(ctx: Context) -> None:
     cfg: HeadsHeldoutConfig = ctx.params
     model = ctx.model
@@ -116,8 +122,7 @@ def run(ctx: Context) -> None:
         if reason:
             ctx.write(key, [skipped_record(pair, margin, reason) | {"margin_rule": rule}])
             continue
-        base = item_fields(pair.item) | {"margin": margin, "margin_rule": rule, "score_stale": pair.score_stale,
-                                         "score_oracle": pair.score_oracle}
+        base = _base(pair, margin, rule)
         effects = single_effects(model, pair, cfg.batch_size)
         ctx.write(key, [base | {"condition": "head_single", "layer": layer, "head": head, "recovery": float(e)}
                         for (layer, head), e in zip(every, effects, strict=True)])
@@ -131,8 +136,7 @@ def run(ctx: Context) -> None:
     for key in ctx.pending([f"curve-{i}" for i in sorted(orders)], desc="head curves"):
         item_id = key.removeprefix("curve-")
         pair = make_pair(model, items[item_id])
-        base = item_fields(pair.item) | {"margin": margin, "margin_rule": rule, "score_stale": pair.score_stale,
-                                         "score_oracle": pair.score_oracle}
+        base = _base(pair, margin, rule)
         rng = random.Random(f"{cfg.seed}/{item_id}")
         ctx.write(key, head_records(model, pair, attention_to_cache(model, pair), ks, RANKINGS, cfg.n_random,
                                     rng, base, cfg.batch_size, given=orders[item_id]))

@@ -20,6 +20,7 @@ from analysis import style
 from analysis.aggregate import reference
 from analysis.figures import Skip
 from analysis.load import job_params
+from kvnotes.metrics import range_dict
 
 NAME = "ttft_scaling"
 TITLE = "TTFT vs skill length: full prefill, transplant, limit"
@@ -38,21 +39,19 @@ def speedups(t: pd.DataFrame, seam: int) -> pd.DataFrame:
                           ("limit", g["path"] == "limit")):
             other = g[sel].set_index("repeat")["seconds"]
             both = pd.concat([full, other], axis=1, join="inner").to_numpy(dtype=float)
-            mean, lo, hi, n = min_max(both[:, 0] / both[:, 1])
-            rows.append({"length": length, "path": name, "mean": mean, "lo": lo, "hi": hi, "n": n})
+            rows.append({"length": length, "path": name, **_band(both[:, 0] / both[:, 1])})
     return pd.DataFrame(rows)
 
 
-def min_max(x: np.ndarray) -> tuple[float, float, float, int]:
-    """(mean, min, max, n) of the finite values; NaN when there is none."""
-    x = x[np.isfinite(x)]
-    return (float(x.mean()), float(x.min()), float(x.max()), int(x.size)) if x.size else (np.nan,) * 3 + (0,)
+def _band(x: np.ndarray) -> dict[str, float]:
+    """kvnotes.metrics.range_dict as a figure band: mean, lo = min, hi = max, n."""
+    r = range_dict(x)
+    return {"mean": r["mean"], "lo": r["min"], "hi": r["max"], "n": r["n"]}
 
 
 def seconds_by_length(sel: pd.DataFrame) -> pd.DataFrame:
     """Per length: mean, min and max seconds over repeats (columns as analysis.aggregate.ci_table)."""
-    rows = [{"length": length, **dict(zip(("mean", "lo", "hi", "n"), min_max(g["seconds"].to_numpy(dtype=float))))}
-            for length, g in sel.groupby("length")]
+    rows = [{"length": length, **_band(g["seconds"].to_numpy(dtype=float))} for length, g in sel.groupby("length")]
     return pd.DataFrame(rows, columns=["length", "mean", "lo", "hi", "n"])
 
 

@@ -7,25 +7,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
+from hydra import compose
+from tiny_runs import TINY, hydra_ready  # noqa: F401
 
 import runner.main as runner
 from experiments.heads_heldout import heldout_orders
 from runner.config import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.name=tiny-llama", "model.tiny_family=llama", "progress=false"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hydra_ready():
-    runner.prepare()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        yield
-
 
 def cfg(results: Path, *overrides: str):
-    return compose("config", overrides=["+experiment=heads_heldout", f"results_dir={results}", *TINY,
+    return compose("config", overrides=["+experiment=heads_heldout", f"results_dir={results}", *TINY, "progress=false",
                                         "task=gated", "task.n_items=3", "task.length=900", "experiment.margin=0",
                                         "experiment.head_ks=[1,2]", "experiment.n_heads=3",
                                         "experiment.n_random=1", *overrides])
