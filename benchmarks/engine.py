@@ -180,6 +180,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row: dict[str, Any] = {"length": length, "prefill_s": med.get("prefill")}
     row["extend1_ratio"] = ratio("extend1", "prefill")
     row["extend1_bare_ratio"] = ratio("extend1_bare", "prefill")
+    row["extend1_inplace_ratio"] = ratio("extend1_inplace", "prefill")
     row["extend1_gemm_floor"] = ratio("extend1_gemms", "prefill")
     row["extend1_over_gemm_floor"] = ratio("extend1", "extend1_gemms")
     row["extend1_copy_ratio"] = ratio("extend1_copy", "prefill")
@@ -191,8 +192,8 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row["erratum_over_gemm_floor"] = row["erratum_ratio"] / gemm if row["erratum_ratio"] and gemm else None
     for tag, key in (("one", "transplant"), ("multi", "multiblock")):
         tp = speed(tag, "transplant")
-        bare, eng = speed(tag, "limit"), speed(tag, "limit_engine")
-        lim, lim_path = fastest(bare, eng)  # the faster question-only forward (kvnotes.limit)
+        bare, eng, inplace = speed(tag, "limit"), speed(tag, "limit_engine"), speed(tag, "limit_inplace")
+        lim, lim_path = fastest(bare=bare, engine=eng, inplace=inplace)  # kvnotes.limit
         row[f"{key}_speedup"] = tp
         lkey = "limit" if tag == "one" else "multiblock_limit"
         row[f"{lkey}_speedup"], row[f"{lkey}_path"] = lim, lim_path
@@ -202,6 +203,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
         unverified = speed(tag, "transplant_unverified")  # load_block(verify=False): no hash
         row[f"{key}_unverified_share_of_limit"] = unverified / lim if unverified and lim else None
         row[f"{key}_limit_engine_speedup"] = eng
+        row[f"{key}_limit_inplace_speedup"] = inplace
         for name in sorted(n for n in med if n.startswith(f"{tag}_transplant_k")):
             k = name.removeprefix(f"{tag}_transplant_")
             sp = speed(tag, f"transplant_{k}")
@@ -216,7 +218,8 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
 
 def table(rows: list[dict[str, Any]]) -> str:
     cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
-            ("extend1_ratio", "extend1", "{:.4f}"), ("extend1_bare_ratio", "ext1 bare", "{:.4f}"),
+            ("extend1_ratio", "extend1", "{:.4f}"), ("extend1_inplace_ratio", "ext1 inpl", "{:.4f}"),
+            ("extend1_bare_ratio", "ext1 bare", "{:.4f}"),
             ("extend1_gemm_floor", "ext1 gemm", "{:.4f}"), ("extend1_copy_ratio", "ext1 copy", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
             ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
             ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),

@@ -104,9 +104,12 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
             "erratum_tokens": err.recomputed, "full_downstream_tokens": item.n_tokens - item.field_span[0]}
     tail = ed.tail.to(model.device)
     bare: dict[str, Any] = {}
+    held = buffers(ed.stale, tail.shape[1], 1, model.device)
     paths = [
         Timed("prefill", lambda: run.prefill(model, item.new_ids)),
         Timed("extend1", lambda: run.extend(model, ed.stale, ed.tail)),
+        # the same token into buffers that already hold the cache with room: a decode step
+        Timed("extend1_inplace", lambda: run.extend_into(model, *held, ed.stale.seq_len, ed.tail)),
         # the same token through transformers alone over a DynamicCache (built untimed each call)
         Timed("extend1_bare", lambda: bare_forward(model, bare["cache"], tail),
               lambda: bare.update(cache=bare_cache(ed.stale))),
@@ -129,6 +132,7 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
     """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / limit paths of
     prefix + blocks + question."""
     from kvnotes import compose, run
+    from kvnotes.cache import buffers
     from kvnotes.metrics import logit_cosine
     from kvnotes.store import block_path, load_block, save_block
 
@@ -159,6 +163,8 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
     def limit_setup() -> None:
         state["bare"] = bare_cache(context)
 
+    held = buffers(context, len(question), 1, model.device)  # the context in place, with room
+
     paths = [
         Timed(f"{tag}_full", full),
         Timed(f"{tag}_transplant", transplant),
@@ -166,6 +172,8 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
         Timed(f"{tag}_transplant_unverified", lambda: transplant(verify=False)),
         Timed(f"{tag}_limit", lambda: bare_forward(model, state["bare"], q), limit_setup),
         Timed(f"{tag}_limit_engine", lambda: run.extend(model, context, question).logits[0, -1]),
+        Timed(f"{tag}_limit_inplace",
+              lambda: run.extend_into(model, *held, context.seq_len, question).logits[0, -1]),
     ]
     for k in extra_seams:
         paths.append(Timed(f"{tag}_transplant_k{k}", functools.partial(transplant, seam=k)))
@@ -178,7 +186,9 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
             f"{tag}_seam_tokens": seam_tokens, f"{tag}_limit_flop_speedup": flops_full / flops_limit,
             f"{tag}_flop_ceiling": flops_limit / flops_transplant,
             f"{tag}_cosine": float(logit_cosine(transplant(), ref)),
-            f"{tag}_limit_max_abs_diff": float((bare_forward(model, bare_cache(context), q) - ref).abs().max())}
+            f"{tag}_limit_max_abs_diff": float((bare_forward(model, bare_cache(context), q) - ref).abs().max()),
+            f"{tag}_limit_inplace_max_abs_diff": float(
+                (run.extend_into(model, *held, context.seq_len, question).logits[0, -1] - ref).abs().max())}
     for k in extra_seams:
         info[f"{tag}_cosine_k{k}"] = float(logit_cosine(transplant(seam=k), ref))
     return paths, info

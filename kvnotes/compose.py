@@ -15,10 +15,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes.cache import KVCache, cat
+from kvnotes.cache import KVCache, buffers, cat
 from kvnotes.models.loading import LoadedModel
 from kvnotes.rope import reposition
-from kvnotes.run import Ids, Step, as_ids, extend, forward_at, prefill
+from kvnotes.run import Ids, Step, as_ids, extend, extend_into, forward_at, prefill
 
 
 @dataclass(frozen=True)
@@ -270,11 +270,22 @@ def greedy(
     max_new_tokens: int = 16,
     stop_ids: Sequence[int] = (),
 ) -> tuple[list[int], Float[Tensor, " vocab"]]:
-    """Greedy continuation of `ids` after `cache` (via `run.extend`), stopping at `stop_ids`.
+    """Greedy continuation of `ids` after `cache`, stopping at `stop_ids`.
 
-    Returns the new tokens and the first next-token logits (fp32), the ones TTFT is about.
+    Returns the new tokens and the first next-token logits (fp32), the ones TTFT is about. The
+    cache is copied once into buffers with room for `ids` and every new token; each step then
+    writes into them (`run.extend_into`), so a long context is not copied per token.
     """
-    step = extend(model, cache, ids)
+    x = as_ids(model, ids)
+    if x.shape[0] != 1:
+        raise ValueError("greedy continues one sequence")
+    room = x.shape[1] + max(max_new_tokens - 1, 0)  # the last new token is never forwarded
+    if cache is None:
+        step = extend(model, None, x)
+        keys, values = buffers(step.cache, room - x.shape[1], 1, model.device)
+    else:
+        keys, values = buffers(cache, room, 1, model.device)
+        step = extend_into(model, keys, values, cache.seq_len, x)
     first = step.logits[0, -1]
     out: list[int] = []
     stops = set(stop_ids)
@@ -284,5 +295,5 @@ def greedy(
             break
         out.append(tok)
         if len(out) < max_new_tokens:
-            step = extend(model, step.cache, [tok])
+            step = extend_into(model, keys, values, step.cache.seq_len, [tok])
     return out, first

@@ -5,11 +5,15 @@ masks) and flatter whatever is compared with it. Timed only through transformers
 transformers' costs instead: with a mask and more than one query token, its SDPA path expands
 grouped keys and values to every query head (`repeat_kv`), a copy of the whole cache times the
 group size (7x on Qwen2.5-0.5B, 3x on SmolLM2), so at long contexts it runs slower than our
-engine's forward of the seam *and* the question. Neither alone is a floor. Both are timed, side
-by side: `bare_forward` here (a transformers forward over a `DynamicCache` filled by its own
-`update`; nothing of kvnotes on the path) and `kvnotes.run.extend`, and the limit is the faster
-of the two (`fastest`), with the path named. A forward extends a DynamicCache in place, so
-build a fresh one (untimed) before every timed call.
+engine's forward of the seam *and* the question. Both of those also copy the whole cache once
+(`DynamicCache.update` concatenates; `run.extend` copies into buffers with room), which a server
+holding the context in place does not do. So three paths are timed side by side:
+`bare_forward` here (a transformers forward over a `DynamicCache` filled by its own `update`;
+nothing of kvnotes on the path), `kvnotes.run.extend`, and `kvnotes.run.extend_into` over
+buffers that already hold the context with room for the question (`inplace`: no copy). The limit
+is the fastest of them (`fastest`), with the path named. A forward extends a DynamicCache in
+place, so build a fresh one (untimed) before every timed call; `extend_into` overwrites the same
+scratch slots on every call, so its buffers are built once.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def bare_forward(model: LoadedModel, cache: Any, ids: Tensor) -> Tensor:
     return out.logits[0, -1].float()
 
 
-def fastest(bare: float | None, engine: float | None) -> tuple[float | None, str | None]:
-    """The limit's speedup and its path: the larger of the two speedups (the faster forward)."""
-    timed = [(v, name) for v, name in ((bare, "bare"), (engine, "engine")) if v is not None]
+def fastest(**speedups: float | None) -> tuple[float | None, str | None]:
+    """The limit's speedup and its path: the largest of the named speedups (the fastest forward),
+    e.g. `fastest(bare=..., engine=..., inplace=...)`; paths not timed are None."""
+    timed = [(v, name) for name, v in speedups.items() if v is not None]
     return max(timed) if timed else (None, None)

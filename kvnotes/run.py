@@ -7,6 +7,8 @@ position ids, and returns a new `KVCache` over the buffers. So prefill(ids[:n]) 
 extend(ids[n:]) is the full forward, and nothing leaks to callers. Families that run SDPA
 attend through `kvnotes.causal` (no explicit mask where causality suffices); a recompute of
 arbitrary positions passes its own mask and writes its K/V in place, into the same buffers.
+`extend_into` runs a forward into buffers the caller already holds (no copy): a decode loop, and
+the TTFT limit, which must not pay for a copy of the cache that a server keeps in place.
 """
 
 from __future__ import annotations
@@ -93,20 +95,51 @@ def extend(
 ) -> Step:
     """Run `ids` (or text, tokenized without special tokens) after `cache` (None: from position 0).
 
-    `logits_to_keep=0` keeps every position.
+    `logits_to_keep=0` keeps every position. The cache is copied once into buffers with room for
+    `ids` (`extend_into` runs the forward into them), so `cache` itself is never changed.
     """
     x = as_ids(model, ids)
     b, n = x.shape
     if cache is not None and cache.batch not in (1, b):
         raise ValueError(f"cache batch {cache.batch} != ids batch {b}")
-    past_len = 0 if cache is None else cache.seq_len
     if cache is None:
         layers = [slots_class()(None, None, 0, n) for _ in range(model.n_layers)]
-    else:
-        keys, values = buffers(cache, n, b, model.device)
-        layers = [slots_class()(k, v, past_len, n) for k, v in zip(keys, values)]
-    past = dynamic(layers)
-    positions = torch.arange(past_len, past_len + n, device=model.device)[None].expand(b, -1)
+        past = dynamic(layers)
+        positions = torch.arange(n, device=model.device)[None].expand(b, -1)
+        out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
+        return Step(out.logits.float(), from_slots(past))
+    keys, values = buffers(cache, n, b, model.device)
+    return extend_into(model, keys, values, cache.seq_len, x, logits_to_keep)
+
+
+@torch.inference_mode()
+def extend_into(
+    model: LoadedModel,
+    keys: Sequence[Tensor],
+    values: Sequence[Tensor],
+    filled: int,
+    ids: Ids,
+    logits_to_keep: int = 1,
+) -> Step:
+    """`ids` after a cache held in buffers, its K/V written into the buffers' next slots: no copy.
+
+    `keys[i]`/`values[i]` are [batch, kv_head, >= filled + len(ids), d_head] buffers whose first
+    `filled` slots hold the cache; slots from `filled` on are scratch, overwritten. The returned
+    cache is a view of the first filled + len(ids) slots: a decode loop over one set of buffers
+    (`compose.greedy`) copies nothing, and the TTFT limit (the question over a cache already in
+    place) is timed through it. `extend` is one copy into fresh buffers, then this.
+    """
+    x = as_ids(model, ids)
+    b, n = x.shape
+    room = min(int(k.shape[2]) for k in (*keys, *values))
+    if len(keys) != model.n_layers or len(values) != model.n_layers:
+        raise ValueError(f"{model.n_layers} layers of buffers needed, got {len(keys)} and {len(values)}")
+    if filled < 0 or filled + n > room:
+        raise ValueError(f"buffers hold {room} positions; {filled} filled + {n} new do not fit")
+    if any(int(t.shape[0]) != b for t in (*keys, *values)):
+        raise ValueError(f"buffers' batch differs from the ids' batch {b}")
+    past = dynamic([slots_class()(k, v, filled, n) for k, v in zip(keys, values)])
+    positions = torch.arange(filled, filled + n, device=model.device)[None].expand(b, -1)
     out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
     return Step(out.logits.float(), from_slots(past))
 

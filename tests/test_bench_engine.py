@@ -91,6 +91,21 @@ def test_the_limit_is_the_faster_question_only_forward_of_the_two():
     assert row["multiblock_limit_path"] == "bare" and row["multiblock_share_of_limit"] == pytest.approx(0.8)
 
 
+def test_the_limit_counts_the_forward_over_a_cache_held_in_place():
+    """Both the bare and the engine path copy the whole cache once; `extend_into` over buffers that
+    already hold it does not. When it is the fastest, it is the limit."""
+    paths = [timed("prefill", [10] * 3), timed("extend1", [0.3] * 3), timed("extend1_inplace", [0.2] * 3)]
+    for tag in ("one", "multi"):
+        paths += [timed(f"{tag}_full", [10] * 3), timed(f"{tag}_transplant", [1] * 3),
+                  timed(f"{tag}_limit", [0.8] * 3), timed(f"{tag}_limit_engine", [0.6] * 3),
+                  timed(f"{tag}_limit_inplace", [0.4] * 3)]
+    row = engine.summarize(2000, paths, {})
+    assert row["limit_path"] == "inplace" and row["limit_speedup"] == pytest.approx(25)
+    assert row["transplant_limit_inplace_speedup"] == pytest.approx(25)
+    assert row["transplant_share_of_limit"] == pytest.approx(0.4)
+    assert row["extend1_inplace_ratio"] == pytest.approx(0.02) and "ext1 inpl" in engine.table([row])
+
+
 def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():
     m = tiny_model("llama")
     seen = []

@@ -242,3 +242,24 @@ def test_recompute_extend_is_recompute_then_extend_in_one_forward(tiny):
     assert len(calls) == 1 and got.cache.seq_len == 30
     assert (got.logits - want.logits).abs().max().item() <= ATOL_FP32
     assert got.cache.max_abs_diff(want.cache) <= ATOL_FP32
+
+
+def test_extend_into_writes_in_place_and_equals_extend(tiny):
+    from kvnotes.cache import buffers
+
+    ids = _ids(40)
+    c = run.prefill(tiny, ids[:, :20]).cache
+    keys, values = buffers(c, 20, 1, tiny.device)  # room for every later token
+    ptr = keys[0].data_ptr()
+    step = run.extend_into(tiny, keys, values, 20, ids[:, 20:25])
+    ref = run.extend(tiny, c, ids[:, 20:25])
+    assert torch.equal(step.logits, ref.logits) and step.cache.max_abs_diff(ref.cache) == 0.0
+    assert step.cache.seq_len == 25 and step.cache.keys[0].data_ptr() == ptr  # a view: no copy
+    for t in range(25, 40):  # a decode loop over one set of buffers is the full forward
+        step = run.extend_into(tiny, keys, values, t, ids[:, t : t + 1], logits_to_keep=1)
+    full = run.full_logits(tiny, ids)[:, -1]
+    assert (step.logits[:, -1] - full).abs().max().item() <= ATOL_FP32
+    with pytest.raises(ValueError, match="do not fit"):
+        run.extend_into(tiny, keys, values, 39, ids[:, :2])
+    with pytest.raises(ValueError, match="layers of buffers"):
+        run.extend_into(tiny, keys[:1], values[:1], 20, ids[:, :1])

@@ -181,8 +181,11 @@ def test_greedy_matches_generate():
     m = tiny_model("qwen2")
     ids = _ids(15, 0)
     ref = m.hf.generate(ids, max_new_tokens=6, do_sample=False)[0, 15:].tolist()
-    toks, first = compose.greedy(m, run.prefill(m, ids[:, :10]).cache, ids[:, 10:], 6)
+    cache = run.prefill(m, ids[:, :10]).cache
+    before = cache.clone()
+    toks, first = compose.greedy(m, cache, ids[:, 10:], 6)
     assert toks == ref and int(first.argmax()) == ref[0]
+    assert cache.seq_len == 10 and cache.max_abs_diff(before) == 0.0  # decoded into a copy
     j = next((j for j in range(1, len(ref)) if ref[j] not in ref[:j]), None)
     if j is not None:  # stopping at the first new token keeps what came before it
         assert compose.greedy(m, None, ids, 6, stop_ids=[ref[j]])[0] == ref[:j]
