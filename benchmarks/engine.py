@@ -10,8 +10,12 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   floor (`extend1_gemm_floor`: every decoder linear and the LM head on one row, i.e. every weight
   streamed from memory once; `extend1_over_gemm_floor` = extend1 / that floor) and beside the one
   copy of the cache every forward makes into buffers with room for its new tokens
-  (`extend1_copy_ratio`: kvnotes.cache.buffers alone), `full_downstream`, the
-  erratum edit (`erratum_ratio`) beside its token floor (`erratum_floor` = (erratum + question
+  (`extend1_copy_ratio`: kvnotes.cache.buffers alone) and beside the same token into buffers
+  that already hold the cache (`extend1_inplace_ratio`: run.extend_into, a decode step with no
+  copy), `full_downstream`, the
+  erratum edit (`erratum_ratio`; `erratum_inplace_ratio`: the same forward into buffers that hold
+  the stale cache, as a server owning its cache would run it, with no copy) beside its token
+  floor (`erratum_floor` = (erratum + question
   tokens) / prompt tokens) and its GEMM floor (`erratum_gemm_floor`: the decoder's linear layers
   alone, applied to as many rows as the erratum recomputes, with nothing around them: what this
   machine's matrix products cost at that batch shape; `erratum_over_gemm_floor` is the rest of
@@ -32,11 +36,12 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   strategies, each TTFT (wall clock from the call to the first token) against kvboost's own full
   prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`).
 
-The limit is the question forwarded against an already cached context, timed two ways in the
+The limit is the question forwarded against an already cached context, timed three ways in the
 same rounds: a bare transformers forward over a `DynamicCache` filled through its own `update`
-(`limit_bare_speedup`: nothing of kvnotes on the path) and kvnotes' own extend
-(`transplant_limit_engine_speedup`). The limit is the faster of the two (`limit_speedup`, its
-path in `limit_path`; kvnotes.limit says why neither alone is a floor), and every share of the
+(`limit_bare_speedup`: nothing of kvnotes on the path), kvnotes' own extend
+(`transplant_limit_engine_speedup`) and kvnotes' extend_into over buffers that already hold the
+context (`transplant_limit_inplace_speedup`: no copy of the cache). The limit is the fastest
+(`limit_speedup`, its path in `limit_path`; kvnotes.limit says why), and every share of the
 limit is against it. It is checked against a FLOP estimate (`limit_flop_speedup`: full FLOPs /
 limit FLOPs, an upper bound no forward can beat).
 
@@ -186,6 +191,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row["extend1_copy_ratio"] = ratio("extend1_copy", "prefill")
     row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
     row["erratum_ratio"] = ratio("erratum", "prefill")
+    row["erratum_inplace_ratio"] = ratio("erratum_inplace", "prefill")
     row["erratum_floor"] = info.get("erratum_floor")
     row["erratum_gemm_floor"] = ratio("erratum_gemms", "prefill")
     gemm = row["erratum_gemm_floor"]
@@ -221,7 +227,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("extend1_ratio", "extend1", "{:.4f}"), ("extend1_inplace_ratio", "ext1 inpl", "{:.4f}"),
             ("extend1_bare_ratio", "ext1 bare", "{:.4f}"),
             ("extend1_gemm_floor", "ext1 gemm", "{:.4f}"), ("extend1_copy_ratio", "ext1 copy", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
-            ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_floor", "floor", "{:.4f}"),
+            ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_inplace_ratio", "err inpl", "{:.4f}"),
+            ("erratum_floor", "floor", "{:.4f}"),
             ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"), ("limit_path", "limit via", "{}"),
             ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),

@@ -145,12 +145,20 @@ class Editor:
 
         return _timed(build, "full_downstream", self.n, self.model.device)
 
-    def erratum(self, wording: str = "explicit", template: str | None = None, with_field: bool = False) -> EditState:
-        """Append the erratum before the question (stale prefix reused), optionally after a field-only edit."""
+    def erratum_ids(self, wording: str = "explicit", template: str | None = None,
+                    with_field: bool = False) -> tuple[int, list[int]]:
+        """(at, rest): the erratum goes at position `at`, and `rest` (the erratum's tokens, then the
+        prompt from `at` on) is what runs after the stale prefix [0, at)."""
         item, at = self.item, erratum_position(self.item)
         err = encode(self.model.tokenizer, erratum_text(item, wording, template))
         base_ids = item.new_ids if with_field else item.old_ids
-        rest = list(err) + list(base_ids[at:])
+        return at, list(err) + list(base_ids[at:])
+
+    def erratum(self, wording: str = "explicit", template: str | None = None, with_field: bool = False) -> EditState:
+        """Append the erratum before the question (stale prefix reused), optionally after a field-only edit."""
+        item = self.item
+        at, rest = self.erratum_ids(wording, template, with_field)
+        base_ids = item.new_ids if with_field else item.old_ids
         ids = tuple(base_ids[:at]) + tuple(rest)
         span = range(*item.field_span)
 

@@ -131,9 +131,9 @@ def extend_into(
     """
     x = as_ids(model, ids)
     b, n = x.shape
-    room = min(int(k.shape[2]) for k in (*keys, *values))
     if len(keys) != model.n_layers or len(values) != model.n_layers:
         raise ValueError(f"{model.n_layers} layers of buffers needed, got {len(keys)} and {len(values)}")
+    room = min(int(k.shape[2]) for k in (*keys, *values))
     if filled < 0 or filled + n > room:
         raise ValueError(f"buffers hold {room} positions; {filled} filled + {n} new do not fit")
     if any(int(t.shape[0]) != b for t in (*keys, *values)):

@@ -94,7 +94,8 @@ def test_the_limit_is_the_faster_question_only_forward_of_the_two():
 def test_the_limit_counts_the_forward_over_a_cache_held_in_place():
     """Both the bare and the engine path copy the whole cache once; `extend_into` over buffers that
     already hold it does not. When it is the fastest, it is the limit."""
-    paths = [timed("prefill", [10] * 3), timed("extend1", [0.3] * 3), timed("extend1_inplace", [0.2] * 3)]
+    paths = [timed("prefill", [10] * 3), timed("extend1", [0.3] * 3), timed("extend1_inplace", [0.2] * 3),
+             timed("erratum", [1.0] * 3), timed("erratum_inplace", [0.9] * 3)]
     for tag in ("one", "multi"):
         paths += [timed(f"{tag}_full", [10] * 3), timed(f"{tag}_transplant", [1] * 3),
                   timed(f"{tag}_limit", [0.8] * 3), timed(f"{tag}_limit_engine", [0.6] * 3),
@@ -104,6 +105,7 @@ def test_the_limit_counts_the_forward_over_a_cache_held_in_place():
     assert row["transplant_limit_inplace_speedup"] == pytest.approx(25)
     assert row["transplant_share_of_limit"] == pytest.approx(0.4)
     assert row["extend1_inplace_ratio"] == pytest.approx(0.02) and "ext1 inpl" in engine.table([row])
+    assert row["erratum_inplace_ratio"] == pytest.approx(0.09) and "err inpl" in engine.table([row])
 
 
 def test_gemm_pass_runs_every_decoder_linear_once_at_the_given_rows():
@@ -124,10 +126,14 @@ def test_edit_paths_time_one_token_through_transformers_alone_with_the_same_logi
     m = tiny_model("llama")
     paths, info = workloads.edit_paths(m, 700, with_map=False)
     by = {p.name: p for p in paths}
-    assert {"prefill", "extend1", "extend1_bare", "extend1_gemms", "extend1_copy", "erratum", "erratum_gemms"} <= set(by)
+    assert {"prefill", "extend1", "extend1_bare", "extend1_gemms", "extend1_copy", "extend1_inplace", "erratum",
+            "erratum_inplace", "erratum_gemms"} <= set(by)
     engine.run_rounds(paths, reps=2, warmup=0, device=m.device)  # each call gets a fresh bare cache
     ours, bare = by["extend1"].last.logits[0, -1], by["extend1_bare"].last
     assert (ours - bare).abs().max().item() <= ATOL_FP32
+    assert torch.equal(by["extend1_inplace"].last.logits, by["extend1"].last.logits)  # no copy, same forward
+    erratum, inplace = by["erratum"].last.logits, by["erratum_inplace"].last.logits[0, -1]
+    assert torch.equal(inplace, erratum) and info["erratum_inplace_max_abs_diff"] == 0.0
     assert 0 < info["erratum_floor"] < 1
 
 

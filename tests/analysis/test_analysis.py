@@ -591,7 +591,7 @@ def test_reference_copy_takes_the_four_files_of_completed_runs_only(tmp_path):
     assert reference.main([str(tmp_path / "nowhere"), "--to", str(tmp_path / "ref3")]) == 2
 
 
-def test_the_ttft_limit_is_the_faster_of_its_two_timings_per_run_and_length():
+def test_the_ttft_limit_is_the_fastest_of_its_timings_per_run_and_length():
     from analysis.figures.ttft_scaling import fastest_limit
 
     def row(run, length, path, seconds, repeat=0):
@@ -599,11 +599,14 @@ def test_the_ttft_limit_is_the_faster_of_its_two_timings_per_run_and_length():
 
     t = pd.DataFrame([row("new", 512, "limit", 0.3), row("new", 512, "limit_engine", 0.2),  # engine faster
                       row("new", 4096, "limit", 1.0), row("new", 4096, "limit_engine", 2.0),  # bare faster
-                      row("old", 512, "limit", 0.5), row("old", 512, "full", 9.0)])  # an older run: bare only
+                      row("old", 512, "limit", 0.5), row("old", 512, "full", 9.0),  # an older run: bare only
+                      row("3way", 512, "limit", 0.3), row("3way", 512, "limit_engine", 0.2),
+                      row("3way", 512, "limit_inplace", 0.15)])  # a cache held in place: no copy
     out = fastest_limit(t).set_index(["run_id", "length", "path"])["seconds"]
     assert out[("new", 512, "limit")] == 0.2 and out[("new", 4096, "limit")] == 1.0
     assert out[("old", 512, "limit")] == 0.5 and out[("old", 512, "full")] == 9.0
-    assert len(out) == 4 and "limit_engine" not in out.index.get_level_values("path")
+    assert out[("3way", 512, "limit")] == 0.15
+    assert len(out) == 5 and set(out.index.get_level_values("path")) == {"limit", "full"}
 
 
 def test_ttft_speedups_show_min_max_over_repeats_not_a_bootstrap():

@@ -134,11 +134,11 @@ def test_scaling_one_length_and_summary(tmp_path, model):
     exp.run(ctx)
     rows = records(ctx)
     t = [r for r in rows if r["kind"] == "timing"]
-    assert len(t) == 2 * 6  # lengths x (full, transplant@4, limit, limit_engine, @0, @EXACT), one repeat
+    assert len(t) == 2 * 7  # lengths x (full, transplant@4, limit, limit_engine, limit_inplace, @0, @EXACT)
     assert not list((tmp_path / "store").glob("*.safetensors"))  # not kept by default
     exact = [r for r in t if r["path"] == "transplant" and r["seam"] == EXACT]
     assert all(r["cosine"] > 1 - 1e-5 and r["first_token_agree"] for r in exact)
-    for path in ("limit", "limit_engine"):  # transformers alone, and kvnotes, over the same context
+    for path in ("limit", "limit_engine", "limit_inplace"):  # transformers, kvnotes (copy, in place)
         limit = [r for r in t if r["path"] == path]
         assert len(limit) == 2 and all(r["cosine"] > 1 - 1e-5 and r["first_token_agree"] for r in limit)
     summary = exp.summarize(rows, ctx.params)
@@ -147,8 +147,8 @@ def test_scaling_one_length_and_summary(tmp_path, model):
         for key in ("full_prefill_s", "transplant_s", "limit_s", "speedup", "limit_speedup"):
             assert row[key] > 0
         assert row["n_repeats"] == 1 and row["kv_mb"] > 0 and row["store_mb"] > 0
-        assert row["limit_s"] == min(row["limit_bare_s"], row["limit_engine_s"])
-        assert row["limit_path"] == ("engine" if row["limit_engine_s"] < row["limit_bare_s"] else "bare")
+        ways = {"bare": row["limit_bare_s"], "engine": row["limit_engine_s"], "inplace": row["limit_inplace_s"]}
+        assert row["limit_s"] == min(ways.values()) and ways[row["limit_path"]] == row["limit_s"]
         assert f"transplant_s@{EXACT}" in row and "paper_speedup" in row
         assert set(row["transplant_parts_s"]) == {"load_s", "splice_question_s"}
 
