@@ -50,6 +50,10 @@ limit FLOPs, an upper bound no forward can beat).
 `--profile DIR` runs the erratum and full_downstream paths once more per length under
 torch.profiler (untimed) and writes their operator tables to DIR; the top entries go in the JSON.
 
+On CPU the command makes glibc keep freed memory for reuse (`--malloc keep`, the default;
+recorded as `malloc` in the JSON), so no path pays page faults on a fresh cache that a serving
+process with a warm allocator would not: kvnotes.timing.keep_freed_memory says what that cost.
+
 Machines are noisy: read the ratios, not the seconds. On a CPU shared with other jobs, OpenMP's
 spinning waits stall small parallel regions for tens of ms; this command sets
 OMP_WAIT_POLICY=PASSIVE unless the environment sets it (recorded in the JSON).
@@ -96,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time (device-synchronised), or the process' CPU time: on a CPU shared "
                         "with other jobs the steadier measure of the work done")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: glibc keeps freed memory for reuse, as a serving process does "
+                        "(kvnotes.timing.keep_freed_memory); default: glibc's own policy, under "
+                        "which fresh caches pay page faults that vary with the heap's history")
     p.add_argument("--json", default=None, help="write one object per length to this file")
     p.add_argument("--kvboost", default=None, metavar="PYTHON",
                    help="the python of a venv with kvboost 0.9.0: run its modes on the eight-block prompt")
@@ -297,13 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from kvnotes.models import load_model
     from kvnotes.provenance import git_state
-    from kvnotes.timing import check_fits
+    from kvnotes.timing import check_fits, keep_freed_memory
 
+    malloc = "keep" if a.malloc == "keep" and keep_freed_memory() else "default"
     model = load_model(a.model, device=a.device, dtype=a.dtype)
     print(check_fits(model, max(a.lengths), caches=4), flush=True)
     meta = {"model": a.model, "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
             "threads": torch.get_num_threads(), "reps": a.reps, "warmup": a.warmup, "clock": a.clock,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "torch": torch.__version__}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "malloc": malloc, "torch": torch.__version__}
     git = git_state()  # the commit the numbers come from, and whether the tree was clean
     meta |= {"commit": git["commit"], "dirty": git["dirty"], "cpu": cpu_model()}
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)

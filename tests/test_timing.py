@@ -1,6 +1,7 @@
 """kvnotes.timing: synchronised regions, peak memory per device, memory budgets."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +52,40 @@ def test_memory_budget_is_stated_and_enforced():
 
 def test_native_bf16_is_a_bool():
     assert isinstance(timing.native_bf16("cpu"), bool)
+
+
+_RSS_AFTER_FREE = """
+import ctypes, re, sys
+from pathlib import Path
+if sys.argv[1] == "keep":
+    from kvnotes.timing import keep_freed_memory
+    assert keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
+p = libc.malloc(24 << 20)  # a cache-sized block (24 MiB)
+ctypes.memset(p, 1, 24 << 20)
+touched = rss()
+libc.free(p)
+print(touched - rss())  # KiB handed back to the OS by free
+"""
+
+
+def test_keep_freed_memory_keeps_a_freed_cache_block_for_reuse():
+    """In a fresh process glibc hands a freed 24 MiB block back to the OS (the next cache of that
+    size would fault in new pages); after keep_freed_memory it keeps it for reuse."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc")
+
+    def handed_back(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode], capture_output=True, text=True,
+                             check=True)
+        return int(out.stdout.strip())
+
+    assert handed_back("default") > 20 << 10
+    assert handed_back("keep") < 1 << 10
