@@ -19,9 +19,11 @@ one process, alternating their order every repeat:
 
 speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
 limit (it adds the load, one rotation per layer and the seam tokens). Every timed region is
-device-synchronised; peak memory is torch.cuda.max_memory_allocated on CUDA, the rise of the
-process' peak RSS during each path on CPU (Linux clear_refs). Medians over repeats, with
-bootstrap CIs of the per-repeat paired ratios.
+device-synchronised, with a warm allocator (on CPU glibc keeps freed memory for reuse:
+kvnotes.timing.keep_freed_memory, `malloc` in the records); peak memory comes from one more,
+untimed round per path: torch.cuda.max_memory_allocated on CUDA, the rise of the process' peak
+RSS on CPU (Linux clear_refs). Medians over repeats, with bootstrap CIs of the per-repeat paired
+ratios.
 
     python -m experiments.run +experiment=compose_scaling model=llama device=cpu
 """
@@ -42,7 +44,7 @@ import torch
 from experiments.selfcheck import GateConfig, gate_summary, run_gate
 from kvnotes.errors import ConfigError
 from kvnotes.metrics import ci_dict, logit_cosine
-from kvnotes.timing import torch_threads
+from kvnotes.timing import keep_freed_memory, torch_threads
 
 if TYPE_CHECKING:
     from experiments._context import Context
@@ -94,15 +96,17 @@ class ComposeScalingConfig:
 # --- memory and timing ------------------------------------------------------------------------
 
 
-def measure(fn: Callable[[], Any], device: Any = None) -> tuple[Any, float, float]:
-    """(result, seconds, peak memory rise in MB during fn; NaN when it cannot be measured).
+def measure(fn: Callable[[], Any], device: Any = None, memory: bool = True) -> tuple[Any, float, float]:
+    """(result, seconds, peak memory rise in MB during fn; NaN when not measured).
 
     The device is synchronised at both ends; peak memory is torch.cuda.max_memory_allocated on
-    CUDA and the rise of the peak RSS (clear_refs) on CPU (kvnotes.timing.measure).
+    CUDA and the rise of the peak RSS (clear_refs) on CPU (kvnotes.timing.measure), which first
+    hands freed memory back to the OS: so the timed rounds run without it (`memory=False`, a warm
+    allocator) and each path's peak comes from one more, untimed round.
     """
     from kvnotes.timing import measure as timed_measure
 
-    return timed_measure(fn, device, memory=True)
+    return timed_measure(fn, device, memory=memory)
 
 
 def cache_mb(cache: Any) -> float:
@@ -208,23 +212,32 @@ def one_length(
         ("limit_engine", None, limit_engine), ("limit_inplace", None, limit_inplace),
         *[("transplant", k, transplant(k)) for k in cfg.extra_seams if k != cfg.seam],
     ]
+    def prepare(name: str) -> None:  # untimed, before a path runs
+        parts.clear()
+        if name == "limit":  # a forward extends a DynamicCache in place: a fresh one, untimed
+            state["bare"] = bare_cache(state["context"])
+        if name == "limit_inplace" and "held" not in state:  # built once: its scratch is reused
+            state["held"] = buffers(state["context"], len(question), 1, model.device)
+
     rows: list[dict[str, Any]] = []
     ref: torch.Tensor | None = None
     for r in range(cfg.repeats):
         order = paths[r % len(paths):] + paths[: r % len(paths)]
         for name, seam, fn in order:
-            parts.clear()
-            if name == "limit":  # a forward extends a DynamicCache in place: a fresh one, untimed
-                state["bare"] = bare_cache(state["context"])
-            if name == "limit_inplace" and "held" not in state:  # built once: its scratch is reused
-                state["held"] = buffers(state["context"], len(question), 1, model.device)
-            logits, seconds, peak = measure(fn, model.device)
+            prepare(name)
+            logits, seconds, _ = measure(fn, model.device, memory=False)
             if name == "full" and ref is None:
                 ref = logits
             rows.append({"kind": "timing", "path": name, "seam": -1 if seam is None else seam,
-                         "repeat": r, "seconds": seconds, "peak_mb": peak,
+                         "repeat": r, "seconds": seconds,
                          "first_token": int(logits.argmax()), "logits": logits, **parts, **static})
             del logits
+    for name, seam, fn in paths:  # each path's peak memory: one more round, untimed
+        prepare(name)
+        _, _, peak = measure(fn, model.device, memory=True)
+        for row in rows:
+            if row["path"] == name and row["seam"] == (-1 if seam is None else seam):
+                row["peak_mb"] = peak
     assert ref is not None
     kv_mb = cache_mb(state["context"])
     for row in rows:  # memory, and each path's first-token logits against the full prefill
@@ -301,14 +314,15 @@ def run(ctx: Context) -> None:
     cfg: ComposeScalingConfig = ctx.params
     store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"
     chat = ctx.chat
-    log.info("compose_scaling on %s, %s, %s threads", ctx.model.device, ctx.model.dtype,
-             cfg.threads or torch.get_num_threads())
+    malloc = "keep" if ctx.model.device.type == "cpu" and keep_freed_memory() else "default"
+    log.info("compose_scaling on %s, %s, %s threads, malloc %s", ctx.model.device, ctx.model.dtype,
+             cfg.threads or torch.get_num_threads(), malloc)
     units = {f"L-{n:06d}": n for n in sorted(set(cfg.lengths))}
     with torch_threads(cfg.threads):
         run_gate(ctx, cfg.gate)
         for key in ctx.pending(list(units), desc="lengths"):
             rows = one_length(ctx.model, cfg, units[key], store, chat, ctx.cfg.seed)
-            ctx.write(key, [{**r, "threads": torch.get_num_threads(),
+            ctx.write(key, [{**r, "threads": torch.get_num_threads(), "malloc": malloc,
                              "device": str(ctx.model.device)} for r in rows])
 
 
