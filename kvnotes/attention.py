@@ -58,7 +58,7 @@ def _patched_attention(
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     if kvnotes_variants is None:
-        raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.run.read_variants)")
+        raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.variants.read_variants)")
     var = kvnotes_variants
     layer_idx: Any = getattr(module, "layer_idx")
     layer = int(layer_idx)

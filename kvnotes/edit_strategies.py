@@ -21,10 +21,11 @@ from torch import Tensor
 
 from kvnotes.cache import KVCache, patch
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import early_keys, extend, prefill, read_variants, recompute_extend
+from kvnotes.run import early_keys, extend, prefill, recompute_extend
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.tokens import encode
 from kvnotes.timing import timed
+from kvnotes.variants import read_variants
 
 ERRATA: dict[str, str] = {
     "explicit": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. "

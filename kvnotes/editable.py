@@ -28,7 +28,8 @@ from kvnotes.cache import KVCache
 from kvnotes.compose import Block, transplant
 from kvnotes.edit_strategies import ERRATA
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill, read_variants, recompute
+from kvnotes.run import extend, prefill, recompute
+from kvnotes.variants import read_variants
 
 STRATEGIES = ("erratum", "field_only", "selective", "full_downstream", "oracle")
 BlockLike = Block | str | os.PathLike[str]  # a block, or the path of a stored one

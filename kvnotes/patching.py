@@ -5,7 +5,7 @@ prompt (without its last token), the *oracle* a prefill of the new one. A patche
 the oracle's K/V at chosen positions and layers and the stale K/V elsewhere; the last prompt
 token then runs against it and the decision score is read. recovery = (score - stale) /
 (oracle - stale): 0 behaves like the old prompt, 1 like the new. Many states of one item are read
-in one batched call (kvnotes.run.read_variants), never by materialising patched caches.
+in one batched call (kvnotes.variants.read_variants), never by materialising patched caches.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from torch import Tensor
 from kvnotes.cache import KVCache, cat
 from kvnotes.metrics import recovery
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill, read_variants
+from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
+from kvnotes.variants import read_variants
 
 
 @dataclass(frozen=True)

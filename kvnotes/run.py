@@ -22,7 +22,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes import attention, causal
+from kvnotes import causal
 from kvnotes.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
 from kvnotes.models.loading import LoadedModel
 
@@ -177,106 +177,6 @@ def full_logits(model: LoadedModel, ids: Ids) -> Float[Tensor, "batch pos vocab"
     return model.hf(input_ids=x, use_cache=False).logits.float()
 
 
-def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
-                       fraction: float = 0.5, cap: int = 1024) -> int:
-    """How many variants `read_variants` runs at once: `fraction` of the free memory over an
-    estimate of one variant's working set (fp32 scores and weights of the tail over the cache in
-    one layer, about 8 copies; the patched K/V gathered; the tail's hidden states and logits)."""
-    from kvnotes.timing import available_bytes
-
-    cfg = model.config
-    heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
-    per = 4 * (8 * heads * tail * (n_cached + tail + width)  # scores, softmax, scatter copies
-               + 4 * model.adapter.n_kv_heads(model.hf) * width * d  # gathered K/V and their change
-               + 24 * tail * int(cfg.hidden_size)  # hidden states, MLP activations
-               + 2 * tail * int(cfg.vocab_size))  # logits (fp32 and the model's dtype)
-    return max(1, min(cap, int(fraction * available_bytes(model.device)) // per))
-
-
-@torch.inference_mode()
-def read_variants(
-    model: LoadedModel,
-    base: KVCache,
-    src: KVCache,
-    positions: Sequence[Sequence[int]],
-    ids: Ids,
-    layers: Sequence[Sequence[int] | None] | None = None,
-    key_mask: Tensor | None = None,
-    batch_size: int | None = None,
-    mask_layers: Tensor | None = None,
-    mask_heads: Tensor | None = None,
-    capture: list[dict[int, Tensor]] | None = None,
-    vocab: Sequence[int] | None = None,
-) -> Float[Tensor, "n tail vocab"]:
-    """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
-
-    Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i, without
-    building the patched caches (see kvnotes.attention). Knockout: `key_mask[i, p]` hides cached
-    key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
-    `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
-    `batch_size` variants run at once (None: as many as half the free memory holds). `vocab`:
-    only the logits of these token ids ([n, tail, len(vocab)]), the LM head's other rows skipped.
-    """
-    x = as_ids(model, ids)
-    if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
-        raise ValueError("read_variants needs aligned batch-1 caches")
-    for p in positions:
-        _check_positions(list(p), base.seq_len)
-    n, L = len(positions), base.n_layers
-    width = max([len(p) for p in positions] + [1])
-    if batch_size is None:
-        batch_size = variant_batch_size(model, base.seq_len, x.shape[1], width)
-    pos = torch.full((n, width), -1, dtype=torch.long)
-    lay = torch.zeros(n, L, dtype=torch.bool)
-    for i, p in enumerate(positions):
-        pos[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        chosen = None if layers is None else layers[i]
-        lay[i, list(range(L)) if chosen is None else list(chosen)] = True
-    name = attention.register()
-    cfg: Any = model.hf.config
-    saved = cfg._attn_implementation
-    base_d, src_d = base.to(device=model.device), src.to(device=model.device)
-    out = []
-    try:
-        cfg._attn_implementation = name
-        for s in range(0, n, batch_size):
-            b = min(batch_size, n - s)
-            sl = slice(s, s + b)
-            var = attention.Variants(
-                base_d, src_d, pos[sl], lay[sl],
-                None if key_mask is None else key_mask[sl],
-                None if mask_layers is None else mask_layers[sl],
-                None if mask_heads is None else mask_heads[sl],
-                None if capture is None else {},
-            )
-            xb = x.expand(b, -1)
-            positions_ids = torch.arange(base.seq_len, base.seq_len + x.shape[1], device=model.device)
-            kw = dict(input_ids=xb, position_ids=positions_ids[None].expand(b, -1), use_cache=False,
-                      kvnotes_variants=var)
-            if vocab is None:
-                out.append(model.hf(**kw, logits_to_keep=0).logits.float())
-            else:
-                hidden = model.adapter.decoder(model.hf)(**kw).last_hidden_state  # [b, tail, d]
-                out.append(logits_of(model, hidden, vocab))
-            if capture is not None and var.capture is not None:
-                capture.append(var.capture)
-    finally:
-        cfg._attn_implementation = saved
-    return torch.cat(out, dim=0)
-
-
-def logits_of(model: LoadedModel, hidden: Tensor, vocab: Sequence[int]) -> Float[Tensor, "b t k"]:
-    """The LM head's logits of the token ids `vocab` only (fp32), final soft-capping included."""
-    head: Any = model.adapter.unembed(model.hf)
-    idx = torch.as_tensor(list(vocab), dtype=torch.long, device=hidden.device)
-    bias = None if getattr(head, "bias", None) is None else head.bias[idx]
-    logits = torch.nn.functional.linear(hidden, head.weight[idx], bias)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float()
-
-
 def additive_masks(
     model: LoadedModel, q_pos: Tensor, k_pos: Tensor, allowed: Tensor
 ) -> Tensor | dict[str, Tensor]:
@@ -298,13 +198,6 @@ def additive_masks(
         mask = mask.masked_fill(~ok, torch.finfo(model.dtype).min)
         out[kind] = mask.reshape(-1, 1, *ok.shape[-2:])  # [batch or 1, 1, q, k]
     return next(iter(out.values())) if len(out) == 1 else out
-
-
-def _check_positions(positions: Sequence[int] | Tensor, n: int) -> None:
-    """The error `cache.patch` raises: every position must be in 0..n-1."""
-    idx = torch.as_tensor(positions, dtype=torch.long)
-    if idx.numel() and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"positions out of range 0..{n - 1}")
 
 
 @torch.inference_mode()

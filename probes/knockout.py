@@ -30,8 +30,8 @@ from kvnotes import interp
 from kvnotes.metrics import ci_dict, recovery
 from kvnotes.models.loading import LoadedModel
 from kvnotes.patching import PatchPair, scores_from_logits
-from kvnotes.run import read_variants
 from kvnotes.tasks.item import TaskItem
+from kvnotes.variants import read_variants
 from probes._common import item_fields, run_pairs, skip_summary
 from probes._heads import RANKINGS, head_records, summarize_heads
 from probes._readouts import (

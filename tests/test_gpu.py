@@ -4,7 +4,7 @@ synchronised timers and CUDA peak memory, and one patching probe end to end. Ski
 import pytest
 import torch
 
-from kvnotes import compose, run, tasks, timing
+from kvnotes import compose, run, tasks, timing, variants
 from kvnotes.cache import patch
 from kvnotes.models import FAMILIES
 from kvnotes.models.tiny import tiny_model
@@ -52,7 +52,7 @@ def test_read_variants_equals_materialised_patches(cuda_tiny):
     b = run.prefill(cuda_tiny, _ids(30, 6)).cache
     tail = _ids(2, 7)
     positions = [[0], [7, 9], list(range(10, 30)), []]
-    got = run.read_variants(cuda_tiny, a, b, positions, tail)
+    got = variants.read_variants(cuda_tiny, a, b, positions, tail)
     want = torch.cat([run.extend(cuda_tiny, patch(a, b, p), tail, logits_to_keep=0).logits for p in positions])
     assert _close(got, want)
 

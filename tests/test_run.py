@@ -4,7 +4,7 @@ import pytest
 import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import run
+from kvnotes import run, variants
 
 
 def _ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
@@ -62,7 +62,7 @@ def test_read_variants_equals_materialised_patches(tiny):
     tail = torch.randint(0, 128, (1, 3), generator=g)
     positions = [[0], [5], [39], [3, 7, 3], [], list(range(10, 40))]
     layers = [None, None, [1], [0, 2], None, [1, 3]]
-    got = run.read_variants(tiny, a, b, positions, tail, layers, batch_size=4)
+    got = variants.read_variants(tiny, a, b, positions, tail, layers, batch_size=4)
     want = torch.cat(
         [run.extend(tiny, patch(a, b, p, lay), tail, logits_to_keep=0).logits for p, lay in zip(positions, layers)]
     )
@@ -86,7 +86,7 @@ def test_knockout_all_layers_equals_a_4d_mask(tiny):
     masked = [2, 5, 12, 18]
     km = torch.zeros(1, 19, dtype=torch.bool)
     km[0, masked] = True
-    got = run.read_variants(tiny, cache, cache, [[]], ids[:, -1:], key_mask=km)[0, -1]
+    got = variants.read_variants(tiny, cache, cache, [[]], ids[:, -1:], key_mask=km)[0, -1]
     allowed = torch.ones(20, 20).tril().bool()
     allowed[-1, masked] = False
     additive = torch.zeros(20, 20).masked_fill(~allowed, float("-inf"))  # a 4D mask is additive
@@ -107,7 +107,7 @@ def test_knockout_respects_layers_and_heads_and_capture_matches_eager(tiny):
     heads = torch.zeros(2, n_heads, dtype=torch.bool)
     heads[1, 0] = True
     cap: list = []
-    run.read_variants(tiny, cache, cache, [[], []], ids[:, -1:], key_mask=km,
+    variants.read_variants(tiny, cache, cache, [[], []], ids[:, -1:], key_mask=km,
                       mask_layers=layers, mask_heads=heads, capture=cap)
     w = cap[0]  # {layer: [2, head, 1, 20]}
     assert w[1][1, 0, 0, 3] == 0 and w[1][1, 1, 0, 3] > 0  # only head 0 of layer 1 masked
@@ -149,7 +149,7 @@ def test_read_variants_refuses_negative_positions_as_patch_does(tiny):
     with pytest.raises(IndexError, match=r"positions out of range 0\.\.9") as want:
         patch(c, c, [-1])
     with pytest.raises(IndexError) as got:
-        run.read_variants(tiny, c, c, [[2], [-1]], [5])
+        variants.read_variants(tiny, c, c, [[2], [-1]], [5])
     assert str(got.value) == str(want.value)
 
 
@@ -206,25 +206,25 @@ def test_variant_batch_size_follows_free_memory(tiny, monkeypatch):
     import kvnotes.timing
 
     monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**6)
-    small = run.variant_batch_size(tiny, 1000, 1, 1)
+    small = variants.variant_batch_size(tiny, 1000, 1, 1)
     monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**10)
-    large = run.variant_batch_size(tiny, 1000, 1, 1)
+    large = variants.variant_batch_size(tiny, 1000, 1, 1)
     assert 1 <= small < large <= 1024
     g = torch.Generator().manual_seed(0)
     a = run.prefill(tiny, torch.randint(0, 128, (1, 12), generator=g)).cache
     b = run.prefill(tiny, torch.randint(0, 128, (1, 12), generator=g)).cache
-    variants = [[p] for p in range(12)]
-    auto = run.read_variants(tiny, a, b, variants, [7])
-    assert (auto - run.read_variants(tiny, a, b, variants, [7], batch_size=5)).abs().max() <= ATOL_FP32
+    each = [[p] for p in range(12)]
+    auto = variants.read_variants(tiny, a, b, each, [7])
+    assert (auto - variants.read_variants(tiny, a, b, each, [7], batch_size=5)).abs().max() <= ATOL_FP32
 
 
 def test_read_variants_restricted_vocab_equals_the_full_logits(tiny):
     g = torch.Generator().manual_seed(3)
     a = run.prefill(tiny, torch.randint(0, 128, (1, 15), generator=g)).cache
     b = run.prefill(tiny, torch.randint(0, 128, (1, 15), generator=g)).cache
-    variants, vocab = [[], [3], [1, 14]], [7, 100, 3]
-    full = run.read_variants(tiny, a, b, variants, [9, 4])
-    some = run.read_variants(tiny, a, b, variants, [9, 4], vocab=vocab)
+    each, vocab = [[], [3], [1, 14]], [7, 100, 3]
+    full = variants.read_variants(tiny, a, b, each, [9, 4])
+    some = variants.read_variants(tiny, a, b, each, [9, 4], vocab=vocab)
     assert some.shape == (3, 2, 3) and (some - full[..., vocab]).abs().max().item() <= ATOL_FP32
 
 

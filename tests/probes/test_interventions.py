@@ -11,7 +11,8 @@ import torch
 from kvnotes import interp, tasks
 from kvnotes.models.tiny import tiny_model
 from kvnotes.patching import make_pair
-from kvnotes.run import full_logits, read_variants
+from kvnotes.run import full_logits
+from kvnotes.variants import read_variants
 
 FAMILIES = ["llama", "gemma2", "mistral"]  # gemma2 / mistral: sliding windows shorter than the prompt
 
