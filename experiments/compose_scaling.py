@@ -212,6 +212,7 @@ def one_length(
         ("limit_engine", None, limit_engine), ("limit_inplace", None, limit_inplace),
         *[("transplant", k, transplant(k)) for k in cfg.extra_seams if k != cfg.seam],
     ]
+
     def prepare(name: str) -> None:  # untimed, before a path runs
         parts.clear()
         if name == "limit":  # a forward extends a DynamicCache in place: a fresh one, untimed
