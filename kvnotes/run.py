@@ -102,12 +102,9 @@ def extend(
     b, n = x.shape
     if cache is not None and cache.batch not in (1, b):
         raise ValueError(f"cache batch {cache.batch} != ids batch {b}")
-    if cache is None:
-        layers = [slots_class()(None, None, 0, n) for _ in range(model.n_layers)]
-        past = dynamic(layers)
-        positions = torch.arange(n, device=model.device)[None].expand(b, -1)
-        out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
-        return Step(out.logits.float(), from_slots(past))
+    if cache is None:  # buffers shaped by the first layer's states, inside the forward
+        return _run_slots(model, x, [slots_class()(None, None, 0, n) for _ in range(model.n_layers)], 0,
+                          logits_to_keep)
     keys, values = buffers(cache, n, b, model.device)
     return extend_into(model, keys, values, cache.seq_len, x, logits_to_keep)
 
@@ -138,8 +135,14 @@ def extend_into(
         raise ValueError(f"buffers hold {room} positions; {filled} filled + {n} new do not fit")
     if any(int(t.shape[0]) != b for t in (*keys, *values)):
         raise ValueError(f"buffers' batch differs from the ids' batch {b}")
-    past = dynamic([slots_class()(k, v, filled, n) for k, v in zip(keys, values)])
-    positions = torch.arange(filled, filled + n, device=model.device)[None].expand(b, -1)
+    return _run_slots(model, x, [slots_class()(k, v, filled, n) for k, v in zip(keys, values)], filled,
+                      logits_to_keep)
+
+
+def _run_slots(model: LoadedModel, x: Tensor, layers: list[Any], start: int, logits_to_keep: int) -> Step:
+    """`x` forwarded at positions start.. into `Slots` layers; the cache is a view of their buffers."""
+    past = dynamic(layers)
+    positions = torch.arange(start, start + x.shape[1], device=model.device)[None].expand(x.shape[0], -1)
     out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
     return Step(out.logits.float(), from_slots(past))
 
