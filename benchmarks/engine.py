@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep: glibc keeps freed memory for reuse, as a serving process does "
                         "(kvnotes.timing.keep_freed_memory); default: glibc's own policy, under "
                         "which fresh caches pay page faults that vary with the heap's history")
+    p.add_argument("--random-init", action="store_true",
+                   help="--model is a folder with a config.json and a tokenizer (benchmarks.shapes): "
+                        "build it with random weights on the device, for timing and memory only "
+                        "(its cosines and greedy tokens are noise; the JSON says weights=random)")
+    p.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                   help="on CUDA, run as on a GPU of GIB GiB (kvnotes.timing.set_memory_cap): the "
+                        "memory check and the batch sizes count against the cap, and the allocator "
+                        "refuses more")
     p.add_argument("--json", default=None, help="write one object per length to this file")
     p.add_argument("--kvboost", default=None, metavar="PYTHON",
                    help="the python of a venv with kvboost 0.9.0: run its modes on the eight-block prompt")
@@ -243,7 +251,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),
             ("multiblock_k0_share_of_limit", "k0/limit", "{:.2f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
             ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
-            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}")]
+            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}"),
+            ("estimate_gib", "est GiB", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]
     for r in rows:
@@ -283,6 +292,14 @@ def preflight(a: argparse.Namespace) -> str | None:
 
     if a.dtype not in ("auto", *DTYPES):
         return f"--dtype {a.dtype!r}: valid: auto, {', '.join(DTYPES)}"
+    if a.memory_cap_gib is not None and not (a.device.startswith("cuda") or (
+            a.device == "auto" and torch.cuda.is_available())):
+        return f"--memory-cap-gib needs a CUDA device (--device {a.device})"
+    if a.random_init:
+        if not (Path(a.model).expanduser() / "config.json").is_file():
+            return (f"--random-init: {a.model!r} is not a folder with a config.json "
+                    f"(write one: python -m benchmarks.shapes llama-3.1-8b DIR)")
+        return None
     try:
         get_spec(a.model)
     except UnknownModelError as e:
@@ -295,6 +312,29 @@ def preflight(a: argparse.Namespace) -> str | None:
     return budget.position_problem(max(a.lengths), a.model, shape, "--lengths", PROMPT_AROUND)
 
 
+def load(a: argparse.Namespace) -> Any:
+    """The model, after the memory check (kvnotes.timing.check_fits, printed). With
+    --random-init the check runs on the config's sizes before any weights exist; a packaged or
+    checkpoint model is checked once its weights are resident. MemoryBudgetError: does not fit."""
+    from kvnotes.models import load_model
+    from kvnotes.models.loading import resolve_device, resolve_dtype
+    from kvnotes.models.tiny import random_model
+    from kvnotes.timing import check_fits, set_memory_cap
+
+    dev = resolve_device(a.device)
+    if a.memory_cap_gib is not None:
+        set_memory_cap(dev, a.memory_cap_gib)
+    tokens = max(a.lengths)
+    if a.random_init:
+        dtype = str(resolve_dtype(a.dtype, None, dev)).removeprefix("torch.")
+        print(check_fits(random_model(a.model, device="meta", dtype=dtype), tokens, caches=4, device=dev),
+              flush=True)
+        return random_model(a.model, device=str(dev), dtype=dtype)
+    model = load_model(a.model, device=a.device, dtype=a.dtype)
+    print(check_fits(model, tokens, caches=4), flush=True)
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     problem = preflight(a)
@@ -303,16 +343,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    from kvnotes.models import load_model
     from kvnotes.provenance import git_state
-    from kvnotes.timing import check_fits, keep_freed_memory
+    from kvnotes.timing import MemoryBudgetError, estimate_peak_bytes, keep_freed_memory
 
     malloc = "keep" if a.malloc == "keep" and keep_freed_memory() else "default"
-    model = load_model(a.model, device=a.device, dtype=a.dtype)
-    print(check_fits(model, max(a.lengths), caches=4), flush=True)
+    try:
+        model = load(a)
+    except (MemoryBudgetError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     meta = {"model": a.model, "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
             "threads": torch.get_num_threads(), "reps": a.reps, "warmup": a.warmup, "clock": a.clock,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "malloc": malloc, "torch": torch.__version__}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "malloc": malloc, "torch": torch.__version__,
+            "weights": "random" if a.random_init else "loaded", "memory_cap_gib": a.memory_cap_gib}
+    if model.device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(model.device)
     git = git_state()  # the commit the numbers come from, and whether the tree was clean
     meta |= {"commit": git["commit"], "dirty": git["dirty"], "cpu": cpu_model()}
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
@@ -320,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as store:
         for n in a.lengths:
             paths: list[Timed] = []
-            info: dict[str, Any] = {}
+            info: dict[str, Any] = {"estimate_gib": estimate_peak_bytes(model, n, caches=4) / 2**30}
+            if model.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(model.device)
             if "edit" in a.only:
                 p, i = edit_paths(model, n, a.map)
                 paths += p
@@ -334,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                 paths += p
                 info.update(i)
             run_rounds(paths, a.reps, a.warmup, model.device, a.clock)
+            if model.device.type == "cuda":  # every path of this length, its workloads built
+                info["peak_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
             rows.append({**summarize(n, paths, info), **meta})
             if a.kvboost and "multiblock" in a.only:  # after ours, in the same run: one job at a time
                 rows[-1].update(kvboost_multiblock(model, n, a.kvboost, a.reps))

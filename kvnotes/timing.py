@@ -143,12 +143,35 @@ def measure(fn: Callable[[], T], device: torch.device | str | None = None,
     return result, m.seconds, m.peak_mb
 
 
+_CUDA_CAPS: dict[int, int] = {}  # device index -> bytes, set by set_memory_cap
+
+
+def set_memory_cap(device: torch.device | str, gib: float) -> int:
+    """Make this process behave as on a GPU of `gib` GiB: PyTorch's allocator refuses to hold more
+    (set_per_process_memory_fraction) and `available_bytes` counts against the cap. Returns the
+    cap in bytes; ValueError for a non-CUDA device or a cap above the device's memory."""
+    dev = as_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"a memory cap needs a CUDA device, not {dev}")
+    total = total_bytes(dev)
+    cap = int(gib * 2**30)
+    if not 0 < cap <= total:
+        raise ValueError(f"memory cap {gib} GiB: the device holds {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
+    _CUDA_CAPS[dev.index if dev.index is not None else torch.cuda.current_device()] = cap
+    return cap
+
+
 def available_bytes(device: torch.device | str | None) -> int:
-    """Memory free for new tensors: cudaMemGetInfo on CUDA, MemAvailable on Linux CPUs."""
+    """Memory free for new tensors: on CUDA the device's free memory plus the blocks PyTorch holds
+    unused, within the cap of `set_memory_cap`; MemAvailable on Linux CPUs."""
     dev = as_device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        return int(free)
+        held_unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        cap = _CUDA_CAPS.get(dev.index if dev.index is not None else torch.cuda.current_device())
+        room = int(free) + held_unused
+        return room if cap is None else min(room, cap - torch.cuda.memory_allocated(dev))
     kb = _meminfo_kb("MemAvailable")
     return 4 * 2**30 if kb is None else kb * 1024  # 4 GiB where it cannot be read
 
@@ -220,14 +243,18 @@ class MemoryBudgetError(RuntimeError):
     """A job that cannot fit in the device's memory; raised before any work."""
 
 
-def check_fits(model: Any, tokens: int, caches: int = 3, headroom: float = 0.9) -> str:
+def check_fits(model: Any, tokens: int, caches: int = 3, headroom: float = 0.9,
+               device: torch.device | str | None = None) -> str:
     """One line with the estimated peak; raises MemoryBudgetError when it exceeds the free memory.
 
-    The weights are already resident, so the budget is the free memory plus the weights.
+    When the weights are resident on `model.device`, the budget is the free memory plus the
+    weights. A model on the meta device (built from its config, nothing allocated) is checked
+    against `device`'s free memory before any weights exist.
     """
-    dev = model.device
+    dev = model.device if device is None else as_device(device)
     need = estimate_peak_bytes(model, tokens, caches)
-    have = available_bytes(dev) + model_bytes(model.hf)
+    resident = model.device == dev
+    have = available_bytes(dev) + (model_bytes(model.hf) if resident else 0)
     line = (f"estimated peak memory {need / 2**30:.2f} GiB for {tokens} tokens on {dev} "
             f"({have / 2**30:.2f} GiB available)")
     if need > headroom * have:

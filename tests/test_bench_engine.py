@@ -212,3 +212,57 @@ def test_kvboost_side_by_side_reads_the_worker_after_its_warm_up_item(monkeypatc
     assert row["kvboost_full_s"] == pytest.approx(2.0)
     assert row["kvboost_none_speedup"] == pytest.approx(20) and row["kvboost_cacheblend_speedup"] == pytest.approx(0.8)
     assert row["kvboost_selective_cosine"] == pytest.approx(1.0) and row["kvboost_none_cosine"] < 1
+
+
+def _shape_folder(tmp_path, config):
+    from kvnotes.models.tiny import tiny_tokenizer
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def test_random_init_checks_an_8b_shape_before_building_it(tmp_path, capsys, monkeypatch):
+    """Llama-3.1-8B at 8k: refused on a 16 GiB device, accepted on 80 GiB, with no weights built
+    for the check; a folder without a config is a one-line error."""
+    from benchmarks.shapes import SHAPES
+    from kvnotes import timing
+    from kvnotes.models import tiny
+
+    folder = _shape_folder(tmp_path / "l8b", SHAPES["llama-3.1-8b"])
+    built = []
+    real = tiny.random_model
+
+    def spy(f, device="auto", dtype="auto", seed=0):
+        built.append(device)
+        if device != "meta":
+            raise RuntimeError("weights built")
+        return real(f, device=device, dtype=dtype, seed=seed)
+
+    monkeypatch.setattr(tiny, "random_model", spy)
+    argv = ["--model", str(folder), "--random-init", "--dtype", "bfloat16", "--device", "cpu", "--lengths", "8000"]
+    monkeypatch.setattr(timing, "available_bytes", lambda d: 16 * 2**30)
+    assert engine.main(argv) == 2 and built == ["meta"]
+    err = capsys.readouterr().err
+    assert err.startswith("error: estimated peak memory") and "does not fit" in err and err.count("\n") == 1
+    monkeypatch.setattr(timing, "available_bytes", lambda d: 80 * 2**30)
+    with pytest.raises(RuntimeError, match="weights built"):
+        engine.main(argv)
+    assert built == ["meta", "meta", "cpu"]
+    assert engine.main(["--model", str(tmp_path), "--random-init"]) == 2
+    assert "is not a folder with a config.json" in capsys.readouterr().err
+
+
+def test_random_model_builds_the_folders_architecture_with_its_tokenizer(tmp_path):
+    from kvnotes import store
+    from kvnotes.models.tiny import random_model, tiny_config
+
+    cfg = tiny_config("qwen3").to_dict()
+    folder = _shape_folder(tmp_path, cfg)
+    m = random_model(str(folder), device="cpu", seed=3)
+    assert m.adapter.family == "qwen3" and m.dtype == torch.float32 and m.checksum.startswith("fingerprint:")
+    assert m.checksum != random_model(str(folder), device="cpu", seed=4).checksum
+    assert m.checksum == store.weights_id(random_model(str(folder), device="cpu", seed=3))
+    ids = m.tokenizer("a short prompt", return_tensors="pt").input_ids
+    assert torch.isfinite(run.full_logits(m, ids)).all()

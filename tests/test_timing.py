@@ -89,3 +89,44 @@ def test_keep_freed_memory_keeps_a_freed_cache_block_for_reuse():
 
     assert handed_back("default") > 20 << 10
     assert handed_back("keep") < 1 << 10
+
+
+def test_memory_cap_bounds_what_is_available_on_cuda(monkeypatch):
+    """With a cap, the free memory counts against it; without one, PyTorch's unused blocks count."""
+    gib = 2**30
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (100 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(timing, "total_bytes", lambda d: 141 * gib)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(f))
+    monkeypatch.setattr(timing, "_CUDA_CAPS", {})
+    dev = torch.device("cuda:0")
+    assert timing.available_bytes(dev) == 110 * gib  # 100 free + 10 held unused
+    assert timing.set_memory_cap(dev, 80) == 80 * gib and calls == [80 / 141]
+    assert timing.available_bytes(dev) == 60 * gib  # 80 cap - 20 allocated
+    with pytest.raises(ValueError, match="holds 141.0 GiB"):
+        timing.set_memory_cap(dev, 200)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        timing.set_memory_cap("cpu", 8)
+
+
+def test_a_meta_model_is_checked_against_the_device_before_weights_exist(monkeypatch):
+    """An 8B shape on the meta device allocates nothing; its estimate is the real model's."""
+    from kvnotes.models.loading import wrap_model
+    from kvnotes.models.tiny import tiny_config
+
+    cpu = tiny_model("llama")
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        shell = wrap_model(AutoModelForCausalLM.from_config(tiny_config("llama")))
+    assert shell.device.type == "meta"
+    assert timing.estimate_peak_bytes(shell, 500) == timing.estimate_peak_bytes(cpu, 500)
+    need = timing.estimate_peak_bytes(shell, 500)
+    monkeypatch.setattr(timing, "available_bytes", lambda d: need)  # weights not resident: not added
+    with pytest.raises(timing.MemoryBudgetError, match="does not fit"):
+        timing.check_fits(shell, 500, device="cpu")
+    monkeypatch.setattr(timing, "available_bytes", lambda d: 2 * need)
+    assert "available" in timing.check_fits(shell, 500, device="cpu")

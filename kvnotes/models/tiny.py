@@ -52,3 +52,39 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return wrap_model(hf, tiny_tokenizer(), name=f"tiny-{family}")
+
+
+def random_model(folder: str, device: str = "auto", dtype: str = "auto", seed: int = 0) -> LoadedModel:
+    """A model of a checkpoint folder's architecture with random weights, for timing and memory.
+
+    The folder holds a config.json and tokenizer files, no weights (`benchmarks.shapes` writes
+    one for a hub model these machines cannot fetch, e.g. Llama-3.1-8B). The weights are
+    initialised on the device, so an 8B model costs seconds, not a 16 GB download. What it
+    computes is noise: its speed and memory are those of the real model, its logits are not.
+    The weights' fingerprint (`kvnotes.store.weights_id`) is taken once here, as a loaded model's
+    checksum is: stored blocks are matched to it without re-reading the parameters per load.
+    `device="meta"` allocates nothing: the sizes alone, for `kvnotes.timing.check_fits(...,
+    device=...)` before the weights exist.
+    """
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvnotes.models.loading import WeightsError, resolve_device, resolve_dtype
+    from kvnotes.store import weights_id
+
+    path = Path(folder).expanduser()
+    if not (path / "config.json").is_file():
+        raise WeightsError(f"no config.json in {folder}: random_model needs a folder with a config and a tokenizer")
+    cfg = AutoConfig.from_pretrained(str(path))
+    family = adapter_for(cfg.get_text_config(decoder=True).model_type).family
+    cfg._attn_implementation = adapter_for(family).attn_implementation
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, None, dev)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    model = wrap_model(hf, AutoTokenizer.from_pretrained(str(path)), name=f"random:{path.name}")
+    if dev.type != "meta":  # on meta (sizes only, for a memory check) there are no values to hash
+        model.checksum = weights_id(model)
+    return model
