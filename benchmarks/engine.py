@@ -25,7 +25,8 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   of the transplant (the block read from disk inside the timed region, rotated, seam K = 4
   repaired and the question run in one forward: compose.transplant_extend), of the same transplant with the block file dropped from the page cache
   (`transplant_cold_speedup`), without the block's content hash (`..._unverified_share_of_limit`:
-  load_block(verify=False)), and of the limit;
+  load_block(verify=False)), with the block already in the device's memory, as a server's hot
+  tier holds it (`..._resident_share_of_limit`: no load), and of the limit;
 * eight blocks of L/8 tokens, K = 4: the same, with all seams repaired in one forward; also at
   K = 0 (no repair) and K = 1 (`multiblock_k0_...`, `multiblock_k1_...`, each with its logit
   cosine to the full prefill), and the FLOP ceiling of the K = 4 share (`multiblock_flop_ceiling`:
@@ -53,6 +54,11 @@ torch.profiler (untimed) and writes their operator tables to DIR; the top entrie
 On CPU the command makes glibc keep freed memory for reuse (`--malloc keep`, the default;
 recorded as `malloc` in the JSON), so no path pays page faults on a fresh cache that a serving
 process with a warm allocator would not: kvnotes.timing.keep_freed_memory says what that cost.
+
+On CUDA each path's peak allocated memory goes in `peaks_gib` (the largest in `peak_gib`),
+beside `estimate_gib` (kvnotes.timing.estimate_peak_bytes). `--random-init` times the shape of a
+model these machines cannot fetch (benchmarks.shapes) with random weights; `--memory-cap-gib`
+runs as on a smaller GPU. scripts/gpu_checks.sh runs both on Llama-3.1-8B's shape.
 
 Machines are noisy: read the ratios, not the seconds. On a CPU shared with other jobs, OpenMP's
 spinning waits stall small parallel regions for tens of ms; this command sets
@@ -178,13 +184,18 @@ def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device,
     """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
     from kvnotes.timing import timed
 
+    cuda = device.type == "cuda"
     for r in range(warmup + reps):
         k = r % len(paths)
         for p in paths[k:] + paths[:k]:
             if p.setup is not None:
                 p.setup()
+            if cuda:  # per path; on CPU a peak reading needs a heap trim that would skew the time
+                torch.cuda.reset_peak_memory_stats(device)
             with timed(device) as t:
                 p.last = p.fn()
+            if cuda:
+                p.peak_bytes = max(p.peak_bytes, torch.cuda.max_memory_allocated(device))
             if r >= warmup:
                 p.times.append(t.seconds if clock == "wall" else t.cpu_seconds)
 
@@ -222,8 +233,9 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
         row[f"{lkey}_bare_speedup"] = bare
         row[f"{key}_share_of_limit"] = tp / lim if tp is not None and lim is not None else None
         row[f"{key}_cold_speedup"] = speed(tag, "transplant_cold")
-        unverified = speed(tag, "transplant_unverified")  # load_block(verify=False): no hash
-        row[f"{key}_unverified_share_of_limit"] = unverified / lim if unverified and lim else None
+        for variant in ("unverified", "resident"):  # verify=False: no hash; resident: no load
+            sp = speed(tag, f"transplant_{variant}")
+            row[f"{key}_{variant}_share_of_limit"] = sp / lim if sp and lim else None
         row[f"{key}_limit_engine_speedup"] = eng
         row[f"{key}_limit_inplace_speedup"] = inplace
         for name in sorted(n for n in med if n.startswith(f"{tag}_transplant_k")):
@@ -235,6 +247,9 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
         row["map_ratio"] = ratio("map", "prefill")
     row.update(info)
     row["seconds"] = med
+    peaks = {p.name: p.peak_bytes / 2**30 for p in paths if p.peak_bytes}
+    if peaks:  # CUDA: the largest of the timed calls, beside the estimate
+        row["peaks_gib"], row["peak_gib"] = peaks, max(peaks.values())
     return row
 
 
@@ -247,7 +262,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("erratum_floor", "floor", "{:.4f}"),
             ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),
             ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"), ("limit_path", "limit via", "{}"),
-            ("transplant_share_of_limit", "tp/limit", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
+            ("transplant_share_of_limit", "tp/limit", "{:.2f}"),
+            ("transplant_resident_share_of_limit", "resid/lim", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
             ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),
             ("multiblock_k0_share_of_limit", "k0/limit", "{:.2f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
             ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
@@ -259,25 +275,6 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells = [fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
         lines.append(" ".join(f"{c:>11}" for c in cells))
     return "\n".join(lines)
-
-
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    """The CPU's model name and its vector / bf16 flags (/proc/cpuinfo): these ratios move with
-    the machine (bf16 is native only with avx512_bf16 or amx_bf16)."""
-    out: dict[str, Any] = {"model": None, "flags": []}
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and out["model"] is None:
-                out["model"] = value.strip()
-            elif key.strip() == "flags" and not out["flags"]:
-                out["flags"] = [f for f in CPU_FLAGS if f in value.split()]
-    except OSError:
-        pass
-    return out
 
 
 PROMPT_AROUND = 128  # tokens around a benchmark prompt of L tokens: system prefix and question, or an erratum
@@ -343,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    from kvnotes.provenance import git_state
+    from kvnotes.provenance import cpu_model, git_state
     from kvnotes.timing import MemoryBudgetError, estimate_peak_bytes, keep_freed_memory
 
     malloc = "keep" if a.malloc == "keep" and keep_freed_memory() else "default"
@@ -366,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         for n in a.lengths:
             paths: list[Timed] = []
             info: dict[str, Any] = {"estimate_gib": estimate_peak_bytes(model, n, caches=4) / 2**30}
-            if model.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(model.device)
             if "edit" in a.only:
                 p, i = edit_paths(model, n, a.map)
                 paths += p
@@ -381,8 +376,6 @@ def main(argv: list[str] | None = None) -> int:
                 paths += p
                 info.update(i)
             run_rounds(paths, a.reps, a.warmup, model.device, a.clock)
-            if model.device.type == "cuda":  # every path of this length, its workloads built
-                info["peak_gib"] = torch.cuda.max_memory_allocated(model.device) / 2**30
             rows.append({**summarize(n, paths, info), **meta})
             if a.kvboost and "multiblock" in a.only:  # after ours, in the same run: one job at a time
                 rows[-1].update(kvboost_multiblock(model, n, a.kvboost, a.reps))

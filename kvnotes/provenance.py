@@ -85,3 +85,22 @@ def machine() -> dict[str, Any]:
 def collect(repo: Path | None = None) -> dict[str, Any]:
     """Git state, package versions and machine facts in one JSON-serialisable dict."""
     return {"git": git_state(repo), "packages": package_versions(), "machine": machine()}
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and its vector / bf16 flags (/proc/cpuinfo): these ratios move with
+    the machine (bf16 is native only with avx512_bf16 or amx_bf16)."""
+    out: dict[str, Any] = {"model": None, "flags": []}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and out["model"] is None:
+                out["model"] = value.strip()
+            elif key.strip() == "flags" and not out["flags"]:
+                out["flags"] = [f for f in CPU_FLAGS if f in value.split()]
+    except OSError:
+        pass
+    return out

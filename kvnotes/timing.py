@@ -157,8 +157,9 @@ def set_memory_cap(device: torch.device | str, gib: float) -> int:
     cap = int(gib * 2**30)
     if not 0 < cap <= total:
         raise ValueError(f"memory cap {gib} GiB: the device holds {total / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(cap / total, dev)
-    _CUDA_CAPS[dev.index if dev.index is not None else torch.cuda.current_device()] = cap
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
+    _CUDA_CAPS[index] = cap
     return cap
 
 

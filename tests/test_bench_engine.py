@@ -6,7 +6,7 @@ from tolerances import ATOL_FP32
 
 from benchmarks import engine
 from benchmarks import engine_paths as workloads
-from kvnotes import run
+from kvnotes import provenance, run
 from kvnotes.models.tiny import tiny_model
 
 
@@ -141,8 +141,8 @@ def test_cpu_facts_name_the_model_and_its_bf16_flags(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n"
                     "processor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n")
-    assert engine.cpu_model(info) == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
-    assert engine.cpu_model(tmp_path / "absent") == {"model": None, "flags": []}
+    assert provenance.cpu_model(info) == {"model": "Some Xeon", "flags": ["avx2", "avx512f", "amx_bf16"]}
+    assert provenance.cpu_model(tmp_path / "absent") == {"model": None, "flags": []}
 
 
 def test_rounds_interleave_after_warmup():

@@ -71,9 +71,25 @@ def test_patching_probe_end_to_end():
 
     m = tiny_model("llama", seed=0, dtype=torch.bfloat16)
     m.hf.to("cuda")
-    item = tasks.build_suite("gated", m.tokenizer, chat=False, n_items=1, length=400, seed=0)[0]
+    item = tasks.build_suite("gated", m.tokenizer, chat=False, n_items=1, length=800, seed=0)[0]
     pair = make_pair(m, item)
     scores = patched_scores(m, pair, [[], list(range(pair.n_cached)), *[[p] for p in pair.field_to_end]])
     assert scores.shape == (2 + len(pair.field_to_end),)
     tol = REL_BF16 * max(abs(pair.score_stale), abs(pair.score_oracle)) + 1e-2
     assert abs(scores[0] - pair.score_stale) <= tol and abs(scores[1] - pair.score_oracle) <= tol
+
+
+def test_a_block_loaded_to_cuda_is_the_stored_block_and_a_damaged_one_is_refused(cuda_tiny, tmp_path):
+    from kvnotes import store
+
+    blk = compose.prefill_block(cuda_tiny, _ids(40, 8))
+    path = store.save_block(store.block_path(tmp_path, "b"), cuda_tiny, blk)
+    got = store.load_block(path, cuda_tiny, device="cuda")
+    assert got.cache.keys[0].device.type == "cuda" and torch.equal(got.ids, blk.ids.cpu())
+    for a, b in zip((*got.cache.keys, *got.cache.values), (*blk.cache.keys, *blk.cache.values)):
+        assert torch.equal(a, b)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF  # a byte of the last tensor
+    path.write_bytes(bytes(raw))
+    with pytest.raises(store.BlockDamagedError):
+        store.load_block(path, cuda_tiny, device="cuda")

@@ -209,3 +209,21 @@ def test_real_llama_store_round_trip_and_exact_seam(llama, tmp_path):
     assert (exact - ref).abs().max().item() <= ATOL_FP32
     with pytest.raises(store.BlockMismatchError, match="model"):
         store.load_block(path, tiny_model("llama"))
+
+
+def test_staged_read_gives_the_files_tensors_and_metadata(tmp_path):
+    """read_staged (one read into one buffer, views by offset; pinned and copied once on CUDA)
+    returns what safetensors reads, dtypes and bytes included."""
+    from safetensors import safe_open
+
+    from kvnotes.store import read_staged
+
+    m = tiny_model("llama", dtype=torch.bfloat16)
+    path = store.save_block(store.block_path(tmp_path, "b"), m, compose.prefill_block(m, torch.arange(5, 42)[None]))
+    host, meta, placed = read_staged(path, "cpu")
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        assert meta == f.metadata() and set(host) == set(f.keys())
+        for name in f.keys():
+            ref = f.get_tensor(name)
+            assert host[name].dtype == ref.dtype and torch.equal(host[name], ref)
+            assert placed[name].data_ptr() == host[name].data_ptr()  # on CPU: no copy
