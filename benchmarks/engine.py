@@ -55,8 +55,10 @@ On CPU the command makes glibc keep freed memory for reuse (`--malloc keep`, the
 recorded as `malloc` in the JSON), so no path pays page faults on a fresh cache that a serving
 process with a warm allocator would not: kvnotes.timing.keep_freed_memory says what that cost.
 
-On CUDA each path's peak allocated memory goes in `peaks_gib` (the largest in `peak_gib`),
-beside `estimate_gib` (kvnotes.timing.estimate_peak_bytes). `--random-init` times the shape of a
+On CUDA what each timed call allocates beyond what was held before it goes in `rise_gib`;
+`peak_gib` is the weights plus the largest rise, beside `estimate_gib` (kvnotes.timing.
+estimate_peak_bytes: weights, four caches and a prefill's working set). The benchmark itself
+holds every workload of a length at once, so its process peak is higher than any one job's. `--random-init` times the shape of a
 model these machines cannot fetch (benchmarks.shapes) with random weights; `--memory-cap-gib`
 runs as on a smaller GPU. scripts/gpu_checks.sh runs both on Llama-3.1-8B's shape.
 
@@ -151,7 +153,7 @@ from kvnotes.limit import fastest  # noqa: E402
 
 # --- profile ---------------------------------------------------------------------------------
 
-PROFILED = ("erratum", "full_downstream")
+PROFILED = ("erratum", "full_downstream", "one_transplant", "one_transplant_resident", "one_limit_inplace")
 
 
 def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> dict[str, list[dict[str, Any]]]:
@@ -192,10 +194,11 @@ def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device,
                 p.setup()
             if cuda:  # per path; on CPU a peak reading needs a heap trim that would skew the time
                 torch.cuda.reset_peak_memory_stats(device)
+                held = torch.cuda.memory_allocated(device)
             with timed(device) as t:
                 p.last = p.fn()
-            if cuda:
-                p.peak_bytes = max(p.peak_bytes, torch.cuda.max_memory_allocated(device))
+            if cuda:  # what the call allocated beyond what was held before it
+                p.peak_bytes = max(p.peak_bytes, torch.cuda.max_memory_allocated(device) - held)
             if r >= warmup:
                 p.times.append(t.seconds if clock == "wall" else t.cpu_seconds)
 
@@ -248,8 +251,9 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row.update(info)
     row["seconds"] = med
     peaks = {p.name: p.peak_bytes / 2**30 for p in paths if p.peak_bytes}
-    if peaks:  # CUDA: the largest of the timed calls, beside the estimate
-        row["peaks_gib"], row["peak_gib"] = peaks, max(peaks.values())
+    if peaks:  # CUDA: each call's own working set, and the weights plus the largest of them
+        row["rise_gib"] = peaks
+        row["peak_gib"] = info["weights_gib"] + max(peaks.values())
     return row
 
 
@@ -341,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     from kvnotes.provenance import cpu_model, git_state
-    from kvnotes.timing import MemoryBudgetError, estimate_peak_bytes, keep_freed_memory
+    from kvnotes.timing import (
+        MemoryBudgetError,
+        estimate_peak_bytes,
+        keep_freed_memory,
+        model_bytes,
+    )
 
     malloc = "keep" if a.malloc == "keep" and keep_freed_memory() else "default"
     try:
@@ -362,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as store:
         for n in a.lengths:
             paths: list[Timed] = []
-            info: dict[str, Any] = {"estimate_gib": estimate_peak_bytes(model, n, caches=4) / 2**30}
+            info: dict[str, Any] = {"estimate_gib": estimate_peak_bytes(model, n, caches=4) / 2**30,
+                                    "weights_gib": model_bytes(model.hf) / 2**30}
             if "edit" in a.only:
                 p, i = edit_paths(model, n, a.map)
                 paths += p
