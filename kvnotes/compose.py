@@ -201,9 +201,9 @@ def _assemble(
             keys[i][:, :, :start].copy_(prefix.keys[i])
             values[i][:, :, :start].copy_(prefix.values[i])
     lands = torch.tensor([start] + [len(b) for b in blks[:-1]]).cumsum(0)  # p_j of every block
+    at = lands.to(dev)  # once: a host-to-device copy per layer would wait for the GPU each time
     for i in range(first.n_layers):
-        cos, sin = model.adapter.rope_cos_sin(model.hf, lands, i)  # [n_blocks, d_head] fp32
-        cos, sin = cos.to(dev), sin.to(dev)
+        cos, sin = model.adapter.rope_cos_sin(model.hf, at, i)  # [n_blocks, d_head] fp32, on dev
         for j, blk in enumerate(blks):
             lo = int(lands[j])
             _rotate_into(keys[i][:, :, lo : lo + len(blk)], blk.cache.keys[i], cos[j], sin[j])

@@ -254,7 +254,7 @@ def check_fits(model: Any, tokens: int, caches: int = 3, headroom: float = 0.9,
     """
     dev = model.device if device is None else as_device(device)
     need = estimate_peak_bytes(model, tokens, caches)
-    resident = model.device == dev
+    resident = model.device.type != "meta"  # a meta model's weights are not allocated yet
     have = available_bytes(dev) + (model_bytes(model.hf) if resident else 0)
     line = (f"estimated peak memory {need / 2**30:.2f} GiB for {tokens} tokens on {dev} "
             f"({have / 2**30:.2f} GiB available)")
