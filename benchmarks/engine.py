@@ -58,9 +58,10 @@ process with a warm allocator would not: kvnotes.timing.keep_freed_memory says w
 On CUDA what each timed call allocates beyond what was held before it goes in `rise_gib`;
 `peak_gib` is the weights plus the largest rise, beside `estimate_gib` (kvnotes.timing.
 estimate_peak_bytes: weights, four caches and a prefill's working set). The benchmark itself
-holds every workload of a length at once, so its process peak is higher than any one job's. `--random-init` times the shape of a
-model these machines cannot fetch (benchmarks.shapes) with random weights; `--memory-cap-gib`
-runs as on a smaller GPU. scripts/gpu_checks.sh runs both on Llama-3.1-8B's shape.
+holds every workload of a length at once, so its process peak is higher than any one job's.
+`--random-init` times the shape of a model these machines cannot fetch (benchmarks.shapes) with
+random weights; `--memory-cap-gib` runs as on a smaller GPU. scripts/gpu_checks.sh runs both on
+Llama-3.1-8B's shape.
 
 Machines are noisy: read the ratios, not the seconds. On a CPU shared with other jobs, OpenMP's
 spinning waits stall small parallel regions for tens of ms; this command sets
