@@ -165,8 +165,8 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
         return compose.transplant_extend(model, prefix_cache, loaded, seam, question).logits[0, -1]
 
     # the blocks already in the model device's memory, as a server's hot tier holds them
-    resident = [compose.Block(b.ids, b.cache.clone()) for b in (load_block(f, model) for f in files)]
-    resident = [compose.Block(b.ids, b.cache.to(device=model.device)) for b in resident]
+    resident = [compose.Block(b.ids, b.cache.clone())
+                for b in (load_block(f, model, device=model.device) for f in files)]
 
     def cold_setup() -> None:
         for f in files:

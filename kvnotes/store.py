@@ -193,7 +193,8 @@ def read_staged(path: str | os.PathLike[str], device: torch.device | str,
             out[name] = raw.view(dtype).view(e["shape"])
         return out
 
-    return views(host), meta, views(placed)
+    on_host = views(host)
+    return on_host, meta, on_host if placed is host else views(placed)
 
 
 def block_path(root: str | os.PathLike[str], name: str) -> Path:

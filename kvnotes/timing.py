@@ -146,6 +146,10 @@ def measure(fn: Callable[[], T], device: torch.device | str | None = None,
 _CUDA_CAPS: dict[int, int] = {}  # device index -> bytes, set by set_memory_cap
 
 
+def _cuda_index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def set_memory_cap(device: torch.device | str, gib: float) -> int:
     """Make this process behave as on a GPU of `gib` GiB: PyTorch's allocator refuses to hold more
     (set_per_process_memory_fraction) and `available_bytes` counts against the cap. Returns the
@@ -157,7 +161,7 @@ def set_memory_cap(device: torch.device | str, gib: float) -> int:
     cap = int(gib * 2**30)
     if not 0 < cap <= total:
         raise ValueError(f"memory cap {gib} GiB: the device holds {total / 2**30:.1f} GiB")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = _cuda_index(dev)
     torch.cuda.set_per_process_memory_fraction(cap / total, index)
     _CUDA_CAPS[index] = cap
     return cap
@@ -170,7 +174,7 @@ def available_bytes(device: torch.device | str | None) -> int:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         held_unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-        cap = _CUDA_CAPS.get(dev.index if dev.index is not None else torch.cuda.current_device())
+        cap = _CUDA_CAPS.get(_cuda_index(dev))
         room = int(free) + held_unused
         return room if cap is None else min(room, cap - torch.cuda.memory_allocated(dev))
     kb = _meminfo_kb("MemAvailable")

@@ -1,5 +1,7 @@
 """benchmarks.engine: its arguments, its limit outside kvnotes' call path, its ratios and keys."""
 
+import json
+
 import pytest
 import torch
 from tolerances import ATOL_FP32
@@ -218,7 +220,7 @@ def _shape_folder(tmp_path, config):
     from kvnotes.models.tiny import tiny_tokenizer
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(config))
     tiny_tokenizer().save_pretrained(str(tmp_path))
     return tmp_path
 
