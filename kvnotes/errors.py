@@ -4,6 +4,23 @@ that says what is valid. Front ends (the runner, the `kvnotes` command) print th
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what is valid."""
+
+
+class MissingDependency(ConfigError):
+    """A package that this path needs is not installed; the message names it and the install command."""
+
+
+def require(module: str, why: str, install: str | None = None) -> None:
+    """Raise `MissingDependency` when `module` cannot be imported, before any heavy work.
+
+    `why` says what needs it ("converting a GGUF file"); `install` is the command that brings it
+    (default `pip install <module>`)."""
+    if importlib.util.find_spec(module) is None:
+        cmd = install or f"pip install {module}"
+        raise MissingDependency(f"{why} needs the package {module!r}, which is not installed: "
+                                f"run `{cmd}`")

@@ -1,7 +1,8 @@
 """A non-editable install: the wheel carries the library only, and the harness runs from a checkout.
 
-Builds the wheel, installs it (no dependencies: the venv sees this environment's packages) into
-a fresh venv, and checks what a new user meets: `import kvnotes` from site-packages, no top-level
+Builds the wheel, installs it (no dependencies: the venv reads this environment's site
+directories, whichever kind of environment runs the suite: a venv, a conda env or the system
+interpreter) into a fresh venv, and checks what a new user meets: `import kvnotes` from site-packages, no top-level
 `experiments` / `analysis` / `probes` installed, and `kvnotes run` of one tiny job from the
 repository root (the case that failed with "Primary config directory not found").
 """
@@ -21,6 +22,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _outer_site_dirs() -> list[str]:
+    """This environment's site directories (a venv, a conda env or the system interpreter), not
+    the checkout: the inner venv reads its dependencies from them without seeing the editable
+    install of kvnotes, whose finder is started by a `.pth` file that a path line never runs."""
+    out = []
+    for p in sys.path:
+        path = Path(p or ".").resolve()
+        if path.is_dir() and path != ROOT and path.name in ("site-packages", "dist-packages"):
+            out.append(str(path))
+    return out
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
@@ -28,14 +41,27 @@ def installed(tmp_path_factory):
                     "-q", "-w", str(tmp), str(ROOT)], check=True, capture_output=True)
     (wheel,) = tmp.glob("kvnotes-*.whl")
     env_dir = tmp / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    # Not system_site_packages: inside a venv that would expose the base interpreter's packages,
+    # not this environment's (the suite failed with "No module named 'torch'" in a fresh venv).
+    venv.create(env_dir, system_site_packages=False, with_pip=False)
     py = env_dir / "bin" / "python"
-    # pip of this environment, installing into the venv's own site-packages
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
+    # the wheel into the venv's own site-packages (first on its path), then this environment's
+    # site directories after it, for torch, transformers and the rest
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site,
                     str(wheel)], check=True, capture_output=True)
+    (Path(site) / "_outer_env.pth").write_text("\n".join(_outer_site_dirs()) + "\n")
     return wheel, env_dir, Path(site)
+
+
+def test_the_inner_venv_sees_this_environments_packages(installed):
+    _, env_dir, _ = installed
+    out = subprocess.run([str(env_dir / "bin" / "python"), "-I", "-c",
+                          "import torch, transformers; print(torch.__file__)"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert not out.stdout.startswith(str(env_dir))
 
 
 def test_the_wheel_carries_the_library_only(installed):

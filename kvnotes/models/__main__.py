@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 
+from kvnotes.errors import ConfigError
 from kvnotes.models.registry import get_spec, model_names
 from kvnotes.models.weights import (
     WeightsError,
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     out(f"{n}: ok {what}: {result}\n")
         else:
             out(f"{prepare(args.name, args.cache)}\n")
-    except (WeightsError, KeyError) as e:
+    except (WeightsError, ConfigError, KeyError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     return 0

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
+from kvnotes.errors import require
 from kvnotes.models.integrity import (
     WEIGHTS_SUFFIX,
     WeightsCheck,
@@ -270,11 +271,18 @@ def check_prepared(spec: ModelSpec, folder: Path, full: bool = False) -> Weights
     return WeightsCheck(folder, level, weights, marker.get("sha256"), str(marker.get("recorded")))
 
 
+def require_converter() -> None:
+    """transformers' GGUF reader loads through accelerate; say so in one line if it is missing."""
+    require("accelerate", "converting a packaged model's GGUF weights (transformers' GGUF reader)",
+            "pip install accelerate")
+
+
 def convert(spec: ModelSpec, root: Path) -> Path:
     """GGUF (verified) -> safetensors folder (fp32, quantisation metadata removed), written atomically."""
     out = converted_dir(spec, root)
     if is_converted(spec, root):
         return out
+    require_converter()
     gguf = gguf_path(spec, root)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -363,6 +371,7 @@ def ensure(
     base = cache_dir(root)
     if is_converted(spec, base):
         return check_prepared(spec, converted_dir(spec, base), full)
+    require_converter()  # before any download: the conversion cannot run without it
     if download:
         fetch(name, base)
     convert(spec, base)  # hashes every file from disk as it records it
