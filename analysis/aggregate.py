@@ -2,10 +2,10 @@
 
 Rows are first averaged within their unit (an item of a run: random draws, repeated conditions),
 then the mean over units gets a percentile bootstrap CI, so n always counts units, never rows.
-The bootstrap is kvnotes.metrics.bootstrap_ci (scipy.stats.bootstrap, seeded): the same code and
+The bootstrap is kvnotes.measure.metrics.bootstrap_ci (scipy.stats.bootstrap, seeded): the same code and
 defaults that write summary.json, so a report CI and a summary CI of the same values agree.
 NaN stays out of the mean and out of n (a skipped item is not a zero). Proportions (one 0/1
-outcome per unit: P(correct), reverted, agreement) get a Wilson interval (kvnotes.metrics.wilson_ci),
+outcome per unit: P(correct), reverted, agreement) get a Wilson interval (kvnotes.measure.metrics.wilson_ci),
 never a zero-width bootstrap one; so do accuracies that come as one cross-validated number per
 layer. The paper's reference numbers live in paper_reference.yaml, read here.
 """
@@ -22,7 +22,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from kvnotes.metrics import bootstrap_ci, wilson_ci
+from kvnotes.measure.metrics import bootstrap_ci, wilson_ci
+from kvnotes.models.registry import get_spec
 
 UNIT = ("run_id", "item_id")  # one item of one run
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
@@ -30,7 +31,7 @@ CI_COLUMNS = ("mean", "lo", "hi", "n")
 
 
 def mean_ci(values: Any, n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> tuple[float, float, float, int]:
-    """(mean, lo, hi, n) of the finite values: kvnotes.metrics.bootstrap_ci on numbers coerced
+    """(mean, lo, hi, n) of the finite values: kvnotes.measure.metrics.bootstrap_ci on numbers coerced
     from anything (booleans, None). n = 0 gives all NaN; n = 1 a NaN interval; identical values a
     zero-width one."""
     x = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
@@ -85,7 +86,7 @@ def ci_table(df: pd.DataFrame, value: str, by: Sequence[str] = ("model",), unit:
 
 def wilson(p: float, n: int) -> tuple[float, float]:
     """95 % Wilson interval of a proportion p observed over n trials (NaN when n = 0):
-    kvnotes.metrics.wilson_ci with k = round(p n)."""
+    kvnotes.measure.metrics.wilson_ci with k = round(p n)."""
     if n <= 0 or not math.isfinite(p):
         return (math.nan, math.nan)
     _, lo, hi = wilson_ci(int(round(p * n)), int(n))
@@ -129,7 +130,6 @@ def model_label(model: str) -> str:
     if model in paper and model != "paper":
         return str(paper[model])
     try:
-        from kvnotes.models.registry import get_spec
 
         desc = get_spec(model).description
     except Exception:  # noqa: BLE001 - an unregistered name (e.g. a tiny test model) is shown as is
@@ -214,7 +214,7 @@ def quantile_ratio_ci(num: Any, den: Any, q: float = 0.9, n_boot: int = 2000,
     point = float(np.quantile(a, q) / np.quantile(b, q))
     if a.size < 2 or b.size < 2:
         return (point, math.nan, math.nan, n)
-    from scipy.stats import bootstrap
+    from scipy.stats import bootstrap  # deferred: scipy.stats takes ~0.5 s; paired intervals only
 
     def ratio(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
         return np.asarray(np.quantile(x, q, axis=axis) / np.quantile(y, q, axis=axis))

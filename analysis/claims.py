@@ -27,9 +27,10 @@ from analysis.aggregate import (
     to_float,
     write_depth,
 )
+from analysis.figures.ttft_scaling import headline_seam, speedups, timing
 from analysis.load import job_params, select
-from kvnotes.margins import STEPS
-from kvnotes.metrics import wilson_ci
+from kvnotes.measure.margins import STEPS
+from kvnotes.measure.metrics import wilson_ci
 
 Extractor = Callable[[pd.DataFrame], pd.DataFrame]
 COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
@@ -168,7 +169,6 @@ def compose_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
 
 def ttft_speedup(length: int) -> Extractor:
     def f(frame: pd.DataFrame) -> pd.DataFrame:
-        from analysis.figures.ttft_scaling import headline_seam, speedups, timing
 
         t = timing(frame)
         rows = []

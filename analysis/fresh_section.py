@@ -19,11 +19,11 @@ import pandas as pd
 
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
-from kvnotes.metrics import wilson_ci
+from kvnotes.edit import registry
+from kvnotes.measure.metrics import wilson_ci
 
 SUITES = ("gated", "gated-fresh")
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
-EDIT_STRATEGIES = ("stale", "field_only", "erratum", "field_erratum", "hoist", "full_downstream", "selective_recompute_att@8")
 
 
 def _summaries(frame: pd.DataFrame, job: str) -> dict[str, dict[str, tuple[str, dict[str, Any]]]]:
@@ -61,11 +61,21 @@ def _patching(by: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def edit_rows(by: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
+    """The strategies of the runs that a system can run (kvnotes.edit.registry: no oracle needed,
+    the oracle itself left out: it is the reference), in the registry's order."""
+    labels = {k for _, summary in by.values() for k in (summary.get("strategies") or {})}
+    order = {n: i for i, n in enumerate(registry.names())}
+    keep = [lab for lab in labels if (s := registry.base_of(lab)) is not None
+            and not s.needs_oracle and s.name != "oracle"]
+    return sorted(keep, key=lambda lab: (order[registry.base_of(lab).name], lab))  # type: ignore[union-attr]
+
+
 def _edit(by: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
     lines = ["| strategy | " + " | ".join(f"{s} P(correct) | {s} recovery" for s in SUITES)
              + " | recomputed share of the prompt (" + " / ".join(SUITES) + ") |",
              "|---" * (2 + 2 * len(SUITES)) + "|"]
-    for name in EDIT_STRATEGIES:
+    for name in edit_rows(by):
         cells, cost = [], []
         for suite in SUITES:
             st = (by[suite][1].get("strategies") or {}).get(name) or {}

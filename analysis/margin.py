@@ -4,10 +4,10 @@
     python -m analysis.margin results/runs/validate_tasks/llama/<timestamp> [...]
 
 Reads score_new - score_old of every control item (request_id or current_time changed; the
-correct action must not) and applies the rule of kvnotes.margins, fixed in advance:
+correct action must not) and applies the rule of kvnotes.measure.margins, fixed in advance:
 margin = max(3 x RMS of those shifts, 8 score steps of the run's dtype), rounded up to 0.01.
 Prints the margin with what it came from, and the lines to put in configs/model/<name>.yaml and
-kvnotes/margins.py. A run that is not a completed validate_tasks run of gated-control is refused.
+kvnotes/measure/margins.py. A run that is not a completed validate_tasks run of gated-control is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvnotes.margins import RULE, Derivation, derive
+from kvnotes.measure.margins import RULE, Derivation, derive
 
 CONTROL_SUITE = "gated-control"
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     for model, d in found:
         print(f"{model} ({d.dtype}): margin {d.margin:g}  (control RMS {d.rms:.4g} over {d.n_control} items; {d.source})")
         print(f"  configs/model/{model}.yaml:  margin: {d.margin:g}")
-        print(f'  kvnotes/margins.py DERIVED:  "{model}": Derivation(margin={d.margin:g}, rms={d.rms:.4g}, '
+        print(f'  kvnotes/measure/margins.py DERIVED:  "{model}": Derivation(margin={d.margin:g}, rms={d.rms:.4g}, '
               f'n_control={d.n_control}, dtype="{d.dtype}", source="{d.source}"),')
     return 0
 

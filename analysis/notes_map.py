@@ -67,7 +67,7 @@ def to_html(tokens: list[str], rec: np.ndarray, span: tuple[int, int], info: dic
 
 
 def to_png(tokens: list[str], rec: np.ndarray, span: tuple[int, int], info: dict[str, Any], model: str, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # deferred: the backend is chosen before pyplot loads, PNG output only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

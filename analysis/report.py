@@ -29,6 +29,7 @@ from analysis.claims import all_claims, band, verdict
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
 from analysis.distance_section import distance_section
 from analysis.dtype_section import dtype_section
+from analysis.figures import build_all
 from analysis.fresh_section import fresh_section
 from analysis.heads_section import heads_section
 from analysis.reference import in_history
@@ -293,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     if not a.results.is_dir():
         print(f"error: {a.results} is not a folder of runs (your own runs: --results results/runs)")
         return 2
-    from analysis.figures import build_all
 
     frame = load.load(a.results)
     figures = None if a.no_figures else build_all(frame, a.figures)

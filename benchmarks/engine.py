@@ -2,7 +2,7 @@
 
 Per prompt length L, three workloads are built once and their paths timed in interleaved order
 (the order rotates every repeat), after warm-up rounds, with the device synchronised around each
-timed region (kvnotes.timing). Medians over repeats; ratios are ratios of medians.
+timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios of medians.
 
 * edit (a gated task item of L tokens): a clean prefill of the new prompt (`prefill_s`, the
   denominator), one token against the stale cache (`extend1_ratio`) beside the same token
@@ -10,7 +10,7 @@ timed region (kvnotes.timing). Medians over repeats; ratios are ratios of median
   floor (`extend1_gemm_floor`: every decoder linear and the LM head on one row, i.e. every weight
   streamed from memory once; `extend1_over_gemm_floor` = extend1 / that floor) and beside the one
   copy of the cache every forward makes into buffers with room for its new tokens
-  (`extend1_copy_ratio`: kvnotes.cache.buffers alone) and beside the same token into buffers
+  (`extend1_copy_ratio`: kvnotes.engine.cache.buffers alone) and beside the same token into buffers
   that already hold the cache (`extend1_inplace_ratio`: run.extend_into, a decode step with no
   copy), `full_downstream`, the
   erratum edit (`erratum_ratio`; `erratum_inplace_ratio`: the same forward into buffers that hold
@@ -42,7 +42,7 @@ same rounds: a bare transformers forward over a `DynamicCache` filled through it
 (`limit_bare_speedup`: nothing of kvnotes on the path), kvnotes' own extend
 (`transplant_limit_engine_speedup`) and kvnotes' extend_into over buffers that already hold the
 context (`transplant_limit_inplace_speedup`: no copy of the cache). The limit is the fastest
-(`limit_speedup`, its path in `limit_path`; kvnotes.limit says why), and every share of the
+(`limit_speedup`, its path in `limit_path`; kvnotes.engine.limit says why), and every share of the
 limit is against it. It is checked against a FLOP estimate (`limit_flop_speedup`: full FLOPs /
 limit FLOPs, an upper bound no forward can beat).
 
@@ -53,10 +53,10 @@ torch.profiler (untimed) and writes their operator tables to DIR; the top entrie
 
 On CPU the command makes glibc keep freed memory for reuse (`--malloc keep`, the default;
 recorded as `malloc` in the JSON), so no path pays page faults on a fresh cache that a serving
-process with a warm allocator would not: kvnotes.timing.keep_freed_memory says what that cost.
+process with a warm allocator would not: kvnotes.measure.timing.keep_freed_memory says what that cost.
 
 On CUDA what each timed call allocates beyond what was held before it goes in `rise_gib`;
-`peak_gib` is the weights plus the largest rise, beside `estimate_gib` (kvnotes.timing.
+`peak_gib` is the weights plus the largest rise, beside `estimate_gib` (kvnotes.measure.timing.
 estimate_peak_bytes: weights, four caches and a prefill's working set). The benchmark itself
 holds every workload of a length at once, so its process peak is higher than any one job's.
 `--random-init` times the shape of a model these machines cannot fetch (benchmarks.shapes) with
@@ -111,14 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with other jobs the steadier measure of the work done")
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc keeps freed memory for reuse, as a serving process does "
-                        "(kvnotes.timing.keep_freed_memory); default: glibc's own policy, under "
+                        "(kvnotes.measure.timing.keep_freed_memory); default: glibc's own policy, under "
                         "which fresh caches pay page faults that vary with the heap's history")
     p.add_argument("--random-init", action="store_true",
                    help="--model is a folder with a config.json and a tokenizer (benchmarks.shapes): "
                         "build it with random weights on the device, for timing and memory only "
                         "(its cosines and greedy tokens are noise; the JSON says weights=random)")
     p.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
-                   help="on CUDA, run as on a GPU of GIB GiB (kvnotes.timing.set_memory_cap): the "
+                   help="on CUDA, run as on a GPU of GIB GiB (kvnotes.measure.timing.set_memory_cap): the "
                         "memory check and the batch sizes count against the cap, and the allocator "
                         "refuses more")
     p.add_argument("--json", default=None, help="write one object per length to this file")
@@ -150,7 +150,7 @@ from benchmarks.engine_paths import (  # noqa: E402
     multiblock_paths,
     ttft_paths,
 )
-from kvnotes.limit import fastest  # noqa: E402
+from kvnotes.engine.limit import fastest  # noqa: E402
 
 # --- profile ---------------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ PROFILED = ("erratum", "full_downstream", "one_transplant", "one_transplant_resi
 def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> dict[str, list[dict[str, Any]]]:
     """One untimed call of each PROFILED path under torch.profiler: its operator table, sorted by
     self time, goes to OUT/L<length>_<path>.txt; the top entries come back for the JSON."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # deferred: only --profile runs it
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -185,7 +185,7 @@ def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> 
 
 def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device, clock: str = "wall") -> None:
     """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
-    from kvnotes.timing import timed
+    from kvnotes.measure.timing import timed
 
     cuda = device.type == "cuda"
     for r in range(warmup + reps):
@@ -230,7 +230,7 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     for tag, key in (("one", "transplant"), ("multi", "multiblock")):
         tp = speed(tag, "transplant")
         bare, eng, inplace = speed(tag, "limit"), speed(tag, "limit_engine"), speed(tag, "limit_inplace")
-        lim, lim_path = fastest(bare=bare, engine=eng, inplace=inplace)  # kvnotes.limit
+        lim, lim_path = fastest(bare=bare, engine=eng, inplace=inplace)  # kvnotes.engine.limit
         row[f"{key}_speedup"] = tp
         lkey = "limit" if tag == "one" else "multiblock_limit"
         row[f"{lkey}_speedup"], row[f"{lkey}_path"] = lim, lim_path
@@ -315,13 +315,13 @@ def preflight(a: argparse.Namespace) -> str | None:
 
 
 def load(a: argparse.Namespace) -> Any:
-    """The model, after the memory check (kvnotes.timing.check_fits, printed). With
+    """The model, after the memory check (kvnotes.measure.timing.check_fits, printed). With
     --random-init the check runs on the config's sizes before any weights exist; a packaged or
     checkpoint model is checked once its weights are resident. MemoryBudgetError: does not fit."""
+    from kvnotes.measure.timing import check_fits, set_memory_cap
     from kvnotes.models import load_model
     from kvnotes.models.loading import resolve_device, resolve_dtype
     from kvnotes.models.tiny import random_model
-    from kvnotes.timing import check_fits, set_memory_cap
 
     dev = resolve_device(a.device)
     if a.memory_cap_gib is not None:
@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    from kvnotes.provenance import cpu_model, git_state
-    from kvnotes.timing import (
+    from kvnotes.measure.provenance import cpu_model, git_state
+    from kvnotes.measure.timing import (
         MemoryBudgetError,
         estimate_peak_bytes,
         keep_freed_memory,

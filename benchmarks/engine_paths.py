@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvnotes.limit import bare_cache, bare_forward
+from kvnotes.engine.limit import bare_cache, bare_forward
 
 SEAM = 4
 N_BLOCKS = 8
@@ -56,7 +56,7 @@ def gemm_pass(model: Any, q: int) -> Callable[[], None]:
     return run
 
 
-# --- the limit, outside kvnotes' call path: kvnotes.limit (bare_cache, bare_forward) ----------
+# --- the limit, outside kvnotes' call path: kvnotes.engine.limit (bare_cache, bare_forward) ----------
 
 
 def drop_page_cache(path: Path) -> bool:
@@ -90,10 +90,11 @@ class Timed:
 
 
 def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
-    from kvnotes import run, tasks
-    from kvnotes.cache import buffers
-    from kvnotes.edit_strategies import Editor
-    from kvnotes.patching import make_pair, patched_scores
+    from kvnotes import tasks
+    from kvnotes.edit.patching import make_pair, patched_scores
+    from kvnotes.edit.strategies import Editor
+    from kvnotes.engine import run
+    from kvnotes.engine.cache import buffers
 
     item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
     ed = Editor(model, item)
@@ -139,10 +140,11 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
               tag: str, extra_seams: tuple[int, ...] = ()) -> tuple[list[Timed], dict[str, Any]]:
     """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / limit paths of
     prefix + blocks + question."""
-    from kvnotes import compose, run
-    from kvnotes.cache import buffers
-    from kvnotes.metrics import logit_cosine
-    from kvnotes.store import block_path, load_block, save_block
+    from kvnotes.compose import splice as compose
+    from kvnotes.compose.store import block_path, load_block, save_block
+    from kvnotes.engine import run
+    from kvnotes.engine.cache import buffers
+    from kvnotes.measure.metrics import logit_cosine
 
     files = []
     for j, ids in enumerate(blocks):
@@ -245,7 +247,7 @@ def kvboost_multiblock(model: Any, length: int, python: str, reps: int) -> dict[
     after one warm-up item, the median of its own full prefill's wall-clock TTFT over the mode's,
     and the median first-token logit cosine of the mode to that prefill."""
     from experiments._kvboost import run_worker
-    from kvnotes.metrics import logit_cosine
+    from kvnotes.measure.metrics import logit_cosine
 
     prefix, blocks, question = multiblock_prompt(model, length)
     context = prefix + [t for b in blocks for t in b]

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(meds) == 2:
         (d1, m1), (d2, m2) = meds.items()
         print(f"ratio {d1}/{d2}: {m1 / m2:.2f}")
-    from kvnotes.timing import native_bf16
+    from kvnotes.measure.timing import native_bf16
 
     native = native_bf16("cpu")
     print(f"this CPU computes bf16 natively: {native}")

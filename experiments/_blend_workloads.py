@@ -19,7 +19,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.blend import Layout
+from kvnotes.compose.blend import Layout
+from kvnotes.tasks import build_suite, filler, locomo
+from kvnotes.tasks.memory import ANSWER_PREFIX, TASK, facts
+from kvnotes.tasks.templates import bank
+from kvnotes.tasks.tokens import Piece, assemble, decision_ids, encode, frame
 
 LOCOMO_INTRO = "You are a personal assistant. Answer from the conversation memory below.\n\n"
 LOCOMO_TASK = "Answer in a few words."
@@ -49,7 +53,6 @@ def _cut(ids: list[int], segments: dict[str, tuple[int, int]], prefix: str) -> L
 
 
 def skills_items(tok: Any, chat: bool, n: int, length: int, seed: int) -> list[BlendItem]:
-    from kvnotes.tasks import build_suite
 
     out = []
     for it in build_suite("skills", tokenizer=tok, chat=chat, n_items=n, length=length, seed=seed):
@@ -62,10 +65,6 @@ def skills_items(tok: Any, chat: bool, n: int, length: int, seed: int) -> list[B
 
 def memory_items(tok: Any, chat: bool, n: int, n_blocks: int, block_tokens: int, seed: int) -> list[BlendItem]:
     """Item i: fact round-robin, value alternating, the fact's note at a seeded place."""
-    from kvnotes.tasks import filler
-    from kvnotes.tasks.memory import ANSWER_PREFIX, TASK, facts
-    from kvnotes.tasks.templates import bank
-    from kvnotes.tasks.tokens import Piece, assemble, decision_ids, frame
 
     fr = frame(tok, chat)
     bank_, b = facts(), bank("memory")
@@ -110,8 +109,6 @@ def _session_of(dia_id: str) -> int | None:
 def locomo_items(path: str, tok: Any, chat: bool, n: int, n_blocks: int, block_tokens: int,
                  seed: int) -> list[BlendItem]:
     """Up to n items, round-robin over the conversations with at least n_blocks sessions."""
-    from kvnotes.tasks import locomo
-    from kvnotes.tasks.tokens import encode, frame
 
     fr = frame(tok, chat)
     pools = []

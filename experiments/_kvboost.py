@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree
+from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
+from kvnotes.tasks import locomo
 
 if TYPE_CHECKING:
     from experiments._blend_workloads import BlendItem
@@ -94,8 +96,6 @@ def kvboost_rows(model: LoadedModel, items: list[BlendItem], res: list[dict[str,
     (its step 1 re-prefills them all; approximate, i.e. content-only, matches force it), else
     `overlap` tokens per seam. cosine: against its own baseline (same tokens);
     cosine_vs_ours: against kvnotes' full prefill of its tokens."""
-    from kvnotes import run as engine
-    from kvnotes.tasks import locomo
 
     base = {r["key"]: r for r in res if r["config"] == "baseline"}
     ours: dict[str, torch.Tensor] = {}

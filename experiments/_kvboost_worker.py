@@ -33,6 +33,7 @@ def _timed(engine: Any, text: str, mode: Any, max_new: int) -> tuple[Any, float]
 
 
 def main(job_path: str, out_dir: str) -> int:
+    # deferred: this worker runs in kvboost's own venv (.venv-kvboost); nothing is imported at module level
     import numpy as np
     import torch
     from kvboost import GenerationMode, KVBoost

@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvnotes.edit_strategies import erratum_text
+from kvnotes.edit.strategies import erratum_text
 from kvnotes.tasks.item import TaskItem
 
 VARIANTS = ("edit", "edit_field", "erratum", "hoist")
@@ -44,7 +44,7 @@ def drop_line(text: str, key: str) -> str:
 
 
 def request_at(text: str) -> int:
-    """Character offset of the request line (where the erratum goes, as in kvnotes.edit_strategies)."""
+    """Character offset of the request line (where the erratum goes, as in kvnotes.edit.strategies)."""
     at = text.rfind("\n" + REQUEST)
     if at < 0:
         raise ValueError(f"no '{REQUEST}' line in the prompt")

@@ -1,6 +1,6 @@
 """Summary of the serving benchmark (experiment `serving`): per variant and phase the prefix-cache
 hit rate and TTFT quantiles, edit/variant TTFT ratios, and the decisions over items with
-Wilson intervals (kvnotes.metrics.prop_dict).
+Wilson intervals (kvnotes.measure.metrics.prop_dict).
 
 Every number names what it measures. hit_rate: hit / queried prompt tokens from vLLM's
 counters (token-weighted over the requests of that variant and phase). ttft_*: client time to
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from experiments._serving_prompts import VALUES, VARIANTS
-from kvnotes.metrics import prop_dict
+from kvnotes.measure.metrics import prop_dict
 
 Row = Mapping[str, Any]
 MEASURES = {  # summary.json carries this: what each number of results / ratios / decisions is

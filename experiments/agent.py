@@ -21,15 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from experiments.compose import compare
-from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from experiments.shared.compare import compare
+from experiments.shared.gate import GateConfig, gate_summary, run_gate
+from kvnotes.compose import splice as compose
+from kvnotes.compose.store import block_path, load_block, save_block
+from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, prop_dict
-from kvnotes.timing import torch_threads
+from kvnotes.measure.metrics import ci_dict, prop_dict
+from kvnotes.measure.timing import timed, torch_threads
+from kvnotes.tasks.agents import build_scenarios, render
 
 if TYPE_CHECKING:
     from experiments._context import Context
-    from kvnotes.cache import KVCache
+    from kvnotes.engine.cache import KVCache
     from kvnotes.models import LoadedModel
     from kvnotes.tasks.agents import AgentScenario
 
@@ -66,9 +70,6 @@ def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]
 
 def precompile(model: LoadedModel, sc: AgentScenario, store: Path) -> dict[str, Path]:
     """Each skill block of the scenario prefilled alone and saved; name -> file."""
-    from kvnotes import compose
-    from kvnotes.store import block_path, save_block
-    from kvnotes.tasks.agents import render
 
     p = render(sc, model.tokenizer, 0, "erratum")
     out = {}
@@ -81,11 +82,6 @@ def precompile(model: LoadedModel, sc: AgentScenario, store: Path) -> dict[str, 
 
 def scenario(model: LoadedModel, sc: AgentScenario, cfg: AgentConfig, store: Path) -> list[dict[str, Any]]:
     """One record per turn: composed incremental agent vs full recompute (in place / erratum)."""
-    from kvnotes import compose
-    from kvnotes import run as engine
-    from kvnotes.store import load_block
-    from kvnotes.tasks.agents import render
-    from kvnotes.timing import timed
 
     tok = model.tokenizer
     files = precompile(model, sc, store)
@@ -162,7 +158,6 @@ def summarize(records: list[dict[str, Any]], cfg: AgentConfig) -> dict[str, Any]
 
 
 def run(ctx: Context) -> None:
-    from kvnotes.tasks.agents import build_scenarios
 
     cfg: AgentConfig = ctx.params
     store = Path(cfg.store_dir) if cfg.store_dir else ctx.run_dir / "store"

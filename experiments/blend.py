@@ -6,7 +6,7 @@ K tokens of every block: EPIC's LegoLink, the same method under both names); Cac
 % block tokens of largest key deviation at an early layer, recomputed against the reused
 neighbours); note-aware repair r (each block's aggregator tokens, the paper's account as a
 method, alone and with each block's first tokens bought first) at CacheBlend's budgets
-(kvnotes.blend); optionally kvboost as it ships, in its own venv
+(kvnotes.compose.blend); optionally kvboost as it ships, in its own venv
 (experiments/_kvboost_worker.py). Workloads (experiments/_blend_workloads.py): skills, RAG-style
 memory notes, LoCoMo sessions. Per item and method: logit cosine, top-1, KL(full || method),
 decision agreement (LoCoMo: same normalised answer), task score (decision correct; LoCoMo token
@@ -14,7 +14,7 @@ F1 of a greedy answer), recompute fraction (block tokens recomputed / block toke
 ratio (method / full prefill, wall clock from stored blocks and cached head to first-token
 logits, as in compose_scaling). The summary gives CIs over items, the frontier per budget and
 whether a method is within 1 % of full-prefill task score at <= 15 % recompute. A verification
-(kvnotes.verify.require_go) runs first; on no-go the run stops unless `force`.
+(kvnotes.compose.verify.require_go) runs first; on no-go the run stops unless `force`.
 
     python -m experiments.run +experiment=blend model=llama device=cpu experiment.threads=1
 """
@@ -28,10 +28,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from experiments import _blend_workloads as wl
 from experiments._kvboost import KvboostConfig, kvboost_records, resolve
+from kvnotes.compose import blend
+from kvnotes.compose import splice as compose
+from kvnotes.compose.blend import Method
+from kvnotes.compose.verify import NoGoError, require_go
+from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, kl_divergence, logit_cosine, top1_agree, wilson_ci
-from kvnotes.timing import measure, torch_threads
+from kvnotes.measure.metrics import ci_dict, kl_divergence, logit_cosine, top1_agree, wilson_ci
+from kvnotes.measure.timing import measure, torch_threads
+from kvnotes.tasks import locomo
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +75,7 @@ class BlendConfig:
     timing_repeats: int = 1  # extra timed rounds are medianed with the first
     kvboost: KvboostConfig = field(default_factory=KvboostConfig)
     verify_probes: int = 4
-    force: bool = False  # run even when kvnotes.verify says no-go (recorded)
+    force: bool = False  # run even when kvnotes.compose.verify says no-go (recorded)
     threads: int | None = None
     n_boot: int = 1000
 
@@ -95,7 +102,6 @@ class BlendConfig:
                               "locomo10.json); set experiment.locomo_path or drop locomo from workloads")
 
     def methods(self) -> list[Any]:
-        from kvnotes.blend import Method
 
         return ([Method("naive")] + [Method("seam", k) for k in self.seams]
                 + [Method("cacheblend", r, self.check_layer) for r in self.budgets]
@@ -128,7 +134,6 @@ def _timed(fn: Any, repeats: int, device: torch.device) -> tuple[Any, float]:
 
 def _answer(model: LoadedModel, cache: Any, last: int, max_new: int) -> str:
     """Greedy answer continuing a prompt whose cache holds all but its last token `last`."""
-    from kvnotes import compose
 
     tok = model.tokenizer
     ids, _ = compose.greedy(model, cache, [last], max_new, tuple(getattr(tok, "all_special_ids", []) or ()))
@@ -144,15 +149,12 @@ def _score(model: LoadedModel, item: BlendItem, step: Any, max_new: int) -> dict
         return {"decision": dec, "task_score": float(dec == item.correct_id)}
     n = step.cache.seq_len
     ans = _answer(model, step.cache.slice(0, n - 1), item.layout.ids[-1], max_new)
-    from kvnotes.tasks import locomo
 
     return {"decision": locomo.normalize(ans), "answer": ans, "task_score": locomo.f1(ans, item.gold)}
 
 
 def item_records(model: LoadedModel, item: BlendItem, cfg: BlendConfig) -> list[dict[str, Any]]:
     """One record per method (full prefill included) for one item."""
-    from kvnotes import blend, compose
-    from kvnotes import run as engine
 
     lay = item.layout
     full, full_s = _timed(lambda: engine.prefill(model, lay.ids), cfg.timing_repeats, model.device)
@@ -271,7 +273,6 @@ def verify_record(rep: Any, forced: bool) -> dict[str, Any]:
 
 
 def build_items(ctx: Context, cfg: BlendConfig, workload: str) -> list[BlendItem]:
-    from experiments import _blend_workloads as wl
 
     tok, chat, seed = ctx.model.tokenizer, ctx.chat, ctx.cfg.seed
     if workload == "skills":
@@ -287,7 +288,6 @@ def build_items(ctx: Context, cfg: BlendConfig, workload: str) -> list[BlendItem
 
 
 def run(ctx: Context) -> None:
-    from kvnotes.verify import NoGoError, require_go
 
     cfg: BlendConfig = ctx.params
     cfg.check_inputs()

@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from experiments.shared.compare import compare
+from experiments.shared.gate import GateConfig, gate_summary, run_gate
+from kvnotes.compose import splice as compose
+from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, kl_divergence, logit_cosine, prop_dict, top1_agree
-from kvnotes.timing import torch_threads
+from kvnotes.measure.metrics import ci_dict, prop_dict
+from kvnotes.measure.timing import torch_threads
+from kvnotes.tasks import build_suite
 
 if TYPE_CHECKING:
     from experiments._context import Context
@@ -34,23 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SEAMS = [0, 1, 2, 4, 8, 16, 32]
-
-
-def compare(logits: torch.Tensor, ref: torch.Tensor, decision_ids: tuple[int, ...]) -> dict[str, Any]:
-    """Cosine, top-1, KL(ref || logits) and the decision (outcome token id) of both ([vocab])."""
-    ids = list(decision_ids)
-    got, want = ids[int(logits[ids].argmax())], ids[int(ref[ids].argmax())]  # token ids
-    return {
-        "cosine": float(logit_cosine(logits, ref)),
-        "top1_agree": bool(top1_agree(logits, ref)),
-        "kl": float(kl_divergence(ref, logits)),
-        "decision": got,
-        "decision_ref": want,
-        "decision_agree": got == want,
-    }
-
-
-# --- the fidelity experiment ------------------------------------------------------------------
 
 
 @dataclass
@@ -97,8 +83,6 @@ def fidelity(
     `floor` adds a row (kind "floor") whose seam covers every block: the same tokens recomputed
     in a different chunking, i.e. the numerical noise floor of the comparison in this dtype.
     """
-    from kvnotes import compose
-    from kvnotes import run as engine
 
     head, blocks, tail = split_item(item)
     ref = engine.prefill(model, list(item.old_ids)).logits[0, -1]  # [vocab]
@@ -164,7 +148,6 @@ def run(ctx: Context) -> None:
 
 
 def fidelity_units(ctx: Context, cfg: ComposeConfig) -> None:
-    from kvnotes.tasks import build_suite
 
     chat = ctx.chat
     items = build_suite("skills", tokenizer=ctx.model.tokenizer, chat=chat, n_items=cfg.n_items,

@@ -14,13 +14,13 @@ one process, alternating their order every repeat:
   kvnotes' call path; the cache is rebuilt untimed before each call), by kvnotes' extend
   (path `limit_engine`, which copies the cache into buffers with room first) and by
   `run.extend_into` over buffers that already hold the context (path `limit_inplace`: no copy,
-  as a server keeps its cache). The limit is the fastest of them (`limit_path`); kvnotes.limit
+  as a server keeps its cache). The limit is the fastest of them (`limit_path`); kvnotes.engine.limit
   says why.
 
 speedup = full / transplant, limit_speedup = full / limit; a transplant can only approach the
 limit (it adds the load, one rotation per layer and the seam tokens). Every timed region is
 device-synchronised, with a warm allocator (on CPU glibc keeps freed memory for reuse:
-kvnotes.timing.keep_freed_memory, `malloc` in the records); peak memory comes from one more,
+kvnotes.measure.timing.keep_freed_memory, `malloc` in the records); peak memory comes from one more,
 untimed round per path: torch.cuda.max_memory_allocated on CUDA, the rise of the process' peak
 RSS on CPU (Linux clear_refs). Medians over repeats, with bootstrap CIs of the per-repeat paired
 ratios.
@@ -41,10 +41,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from experiments.shared.gate import GateConfig, gate_summary, run_gate
+from kvnotes.compose import splice as compose
+from kvnotes.compose.store import block_path, load_block, save_block
+from kvnotes.engine import run as engine
+from kvnotes.engine.cache import buffers
+from kvnotes.engine.limit import bare_cache, bare_forward
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, logit_cosine
-from kvnotes.timing import keep_freed_memory, torch_threads
+from kvnotes.measure.metrics import ci_dict, logit_cosine
+from kvnotes.measure.timing import keep_freed_memory, timed, torch_threads
+from kvnotes.measure.timing import measure as timed_measure
+from kvnotes.tasks import filler
+from kvnotes.tasks.skills import skills
+from kvnotes.tasks.tokens import encode, frame
 
 if TYPE_CHECKING:
     from experiments._context import Context
@@ -100,11 +109,10 @@ def measure(fn: Callable[[], Any], device: Any = None, memory: bool = True) -> t
     """(result, seconds, peak memory rise in MB during fn; NaN when not measured).
 
     The device is synchronised at both ends; peak memory is torch.cuda.max_memory_allocated on
-    CUDA and the rise of the peak RSS (clear_refs) on CPU (kvnotes.timing.measure), which first
+    CUDA and the rise of the peak RSS (clear_refs) on CPU (kvnotes.measure.timing.measure), which first
     hands freed memory back to the OS: so the timed rounds run without it (`memory=False`, a warm
     allocator) and each path's peak comes from one more, untimed round.
     """
-    from kvnotes.timing import measure as timed_measure
 
     return timed_measure(fn, device, memory=memory)
 
@@ -118,9 +126,6 @@ def cache_mb(cache: Any) -> float:
 
 def skill_ids(tok: Any, skill: str, length: int, seed: int) -> list[int]:
     """Exactly `length` ids: the skill's header and rule amid its guidelines and filler lines."""
-    from kvnotes.tasks import filler
-    from kvnotes.tasks.skills import skills
-    from kvnotes.tasks.tokens import encode
 
     s = skills()[skill]
     rule = s.rule.format(o0=s.outcomes[0], o1=s.outcomes[1])
@@ -140,8 +145,6 @@ def skill_ids(tok: Any, skill: str, length: int, seed: int) -> list[int]:
 
 def question_ids(tok: Any, skill: str, chat: bool) -> tuple[list[int], list[int]]:
     """(system prefix ids, question ids) around the skill, with the chat frame when there is one."""
-    from kvnotes.tasks.skills import skills
-    from kvnotes.tasks.tokens import encode, frame
 
     fr = frame(tok, chat)
     s = skills()[skill]
@@ -157,12 +160,6 @@ def one_length(
     Repeat 0 runs the full prefill first; its cache, cut before the question, is the limit's
     already cached context (so the limit reads exactly the full recompute's K/V).
     """
-    from kvnotes import compose
-    from kvnotes import run as engine
-    from kvnotes.cache import buffers
-    from kvnotes.limit import bare_cache, bare_forward
-    from kvnotes.store import block_path, load_block, save_block
-    from kvnotes.timing import timed
 
     tok = model.tokenizer
     prefix, question = question_ids(tok, cfg.skill, chat)
@@ -271,7 +268,7 @@ def summarize(records: list[dict[str, Any]], cfg: ComposeScalingConfig) -> dict[
 
         full, tp, bare, eng = sel("full"), sel("transplant", cfg.seam), sel("limit"), sel("limit_engine")
         inplace = sel("limit_inplace")
-        # the limit is the fastest question-only forward timed (kvnotes.limit)
+        # the limit is the fastest question-only forward timed (kvnotes.engine.limit)
         timed_ways = {k: v for k, v in (("bare", bare), ("engine", eng), ("inplace", inplace)) if len(v)}
         path = min(timed_ways, key=lambda k: float(timed_ways[k]["seconds"].median()))
         lim = timed_ways[path]

@@ -25,17 +25,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvnotes.edit.patching import make_pair, patched_scores, recoveries
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, wilson_ci
+from kvnotes.measure.metrics import ci_dict, wilson_ci
+from kvnotes.measure.timing import check_fits
 from kvnotes.models import budget
-from kvnotes.patching import make_pair, patched_scores, recoveries
+from kvnotes.tasks.distance import build_distance_suite
 from kvnotes.tasks.item import TaskItem
-from kvnotes.timing import check_fits
 
 if TYPE_CHECKING:
     from experiments._context import Context
+    from kvnotes.edit.patching import PatchPair
     from kvnotes.models import LoadedModel
-    from kvnotes.patching import PatchPair
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,6 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: DistanceConfig) -> dict
 def build_items(ctx: Context) -> list[TaskItem]:
     """Every (item, distance) of the task suite for this model's tokenizer; bad distances or
     lengths fail here, before any forward pass, in one line."""
-    from kvnotes.tasks.distance import build_distance_suite
 
     task = ctx.cfg.task
     if task is None:

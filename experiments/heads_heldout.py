@@ -10,7 +10,7 @@ cross-fitted, in two phases over the same items:
 2. `curve-<item>`: once every item's single effects exist, the item's heads are ranked by their
    mean single recovery over the *other* usable items (leave one item out: `effect_heldout`),
    and patched k at a time beside the attention ranking, the in-sample effect ranking and
-   random heads (probes._heads), k in `head_ks`.
+   random heads (probes.parts.heads), k in `head_ks`.
 
 Reading: if `effect_heldout` tracks `effect`, the heads that carry the decision are the same on
 every item and a ranking that never sees the item finds them; if it falls toward `attention` or
@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvnotes.patching import PatchPair, make_pair
-from probes._common import (
+from kvnotes.edit.patching import PatchPair, make_pair
+from probes.parts.common import (
+    attention_to_cache,
     item_fields,
     margin_rule,
     resolve_margin,
@@ -39,9 +40,8 @@ from probes._common import (
     skip_summary,
     skipped_record,
 )
-from probes._heads import all_heads, head_records, rank_heads, single_effects, summarize_heads
-from probes._readouts import paired_difference, per_item
-from probes.knockout import attention_to_cache
+from probes.parts.heads import all_heads, head_records, rank_heads, single_effects, summarize_heads
+from probes.parts.readouts import paired_difference, per_item
 
 if TYPE_CHECKING:
     from experiments._context import Context

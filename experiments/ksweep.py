@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from experiments.edit import drive, summarize_states
-from kvnotes.edit_strategies import Editor, EditState
+from experiments.shared.edits import drive, summarize_states
+from kvnotes.edit.strategies import Editor, EditState
 
 if TYPE_CHECKING:
     from experiments._context import Context

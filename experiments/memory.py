@@ -27,11 +27,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from experiments.compose import compare
-from experiments.selfcheck import GateConfig, gate_summary, run_gate
+from experiments.shared.compare import compare
+from experiments.shared.gate import GateConfig, gate_summary, run_gate
+from kvnotes.compose import splice as compose
+from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.metrics import ci_dict, prop_dict
-from kvnotes.timing import torch_threads
+from kvnotes.measure.metrics import ci_dict, prop_dict
+from kvnotes.measure.timing import torch_threads
+from kvnotes.tasks import build_suite, locomo
+from kvnotes.tasks.templates import banks
+from kvnotes.tasks.tokens import encode, frame
 
 if TYPE_CHECKING:
     from experiments._context import Context
@@ -78,16 +83,12 @@ class MemoryConfig:
 
 
 def erratum_text(field_name: str, value: str) -> str:
-    from kvnotes.tasks.templates import banks
 
     return banks()["agent"]["update"].format(field=field_name, value=value) + "\n"
 
 
 def synthetic(model: LoadedModel, item: TaskItem, seam: int) -> list[dict[str, Any]]:
     """One record per condition of a memory item (see the module docstring)."""
-    from kvnotes import compose
-    from kvnotes import run as engine
-    from kvnotes.tasks.tokens import encode
 
     s, e = item.segments["memory"]
     if not s <= item.field_span[0] < item.field_span[1] <= e:
@@ -133,10 +134,6 @@ def locomo_conversation(
     model: LoadedModel, conv: Conversation, cfg: MemoryConfig, chat: bool
 ) -> list[dict[str, Any]]:
     """LoCoMo QA on one conversation: transplanted vs fully recomputed memory, greedy answers."""
-    from kvnotes import compose
-    from kvnotes import run as engine
-    from kvnotes.tasks import locomo
-    from kvnotes.tasks.tokens import encode, frame
 
     tok = model.tokenizer
     fr = frame(tok, chat)
@@ -214,7 +211,6 @@ def run(ctx: Context) -> None:
 
 
 def run_units(ctx: Context, cfg: MemoryConfig) -> None:
-    from kvnotes.tasks import build_suite, locomo
 
     chat = ctx.chat
     if cfg.n_items:

@@ -55,8 +55,10 @@ from experiments._serving_prompts import (
 )
 from experiments._serving_summary import service_time
 from experiments._serving_summary import summarize as _summarize
-from kvnotes.edit_strategies import ERRATA
+from kvnotes import tasks
+from kvnotes.edit.strategies import ERRATA
 from kvnotes.errors import ConfigError
+from kvnotes.measure import timing
 
 if TYPE_CHECKING:
     from experiments._context import Context
@@ -80,7 +82,7 @@ class ServingConfig:
     kv_cache_gib: float = 4.0  # VLLM_CPU_KVCACHE_SPACE
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND; None: all CPUs of this process
     block_size: int = 32
-    # auto: bf16 where the device computes bf16 natively, else fp32 (kvnotes.timing.native_bf16).
+    # auto: bf16 where the device computes bf16 natively, else fp32 (kvnotes.measure.timing.native_bf16).
     # Measured with benchmarks/serving_dtype.py, qwen-1.5b, 2k-token prompt, TTFT: on a CPU with
     # native bf16, 19.8 s bf16 vs 36.9 s fp32 (median of 4); on an AVX2-only CPU, ~285 s bf16
     # (emulated) vs 59.3 s fp32 (median of 2)
@@ -89,7 +91,7 @@ class ServingConfig:
     extra_args: list[str] = field(default_factory=list)  # more vLLM server flags
     suite: str = "gated"
     length: int = 2000  # prompt tokens of each context (hit rate grows with it, so does the edit's cost)
-    wording: str = "explicit"  # erratum wording (kvnotes.edit_strategies.ERRATA)
+    wording: str = "explicit"  # erratum wording (kvnotes.edit.strategies.ERRATA)
     max_tokens: int = 4  # generated tokens: the decision is the first word
     n_items: int = 24  # items phase: decisions over this many items (0: none)
     decision_variants: list[str] = field(default_factory=lambda: ["edit", "erratum"])
@@ -305,9 +307,8 @@ def served_dtype(ctx: Context, cfg: ServingConfig) -> str:
     natively and float32 where it would be emulated (vLLM's CPU bf16 kernels: ~5x slower there)."""
     if cfg.dtype != "auto":
         return cfg.dtype
-    from kvnotes.timing import native_bf16
 
-    pick = "bfloat16" if native_bf16(ctx.model.device) else "float32"
+    pick = "bfloat16" if timing.native_bf16(ctx.model.device) else "float32"
     log.info("served dtype auto on %s: %s", ctx.model.device, pick)
     return pick
 
@@ -324,7 +325,6 @@ def _server_spec(ctx: Context, cfg: ServingConfig) -> server.ServerSpec:
 
 
 def run(ctx: Context) -> None:
-    from kvnotes import tasks
 
     cfg: ServingConfig = ctx.params
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request

@@ -11,11 +11,16 @@ item, usable_ids.json (what probes read to skip the rest) and a per-domain summa
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from kvnotes.tasks import summarize as summarize_records
+from kvnotes.tasks.scoring import decision_logits, score_item
 from kvnotes.tasks.validate import record, usable_ids
 
 if TYPE_CHECKING:
@@ -56,7 +61,6 @@ def summarize(records: list[dict[str, Any]], cfg: ValidateTasksConfig) -> dict[s
 
 
 def run(ctx: Context) -> None:
-    from kvnotes.tasks.scoring import decision_logits, score_item
 
     params: ValidateTasksConfig = ctx.params
     margin = ctx.cfg.model.margin if params.margin is None else params.margin
@@ -73,7 +77,6 @@ def run(ctx: Context) -> None:
 
 
 def _suite_of(run_dir: Any) -> str:
-    import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     return str((cfg.get("task") or {}).get("name", "?"))
@@ -81,8 +84,6 @@ def _suite_of(run_dir: Any) -> str:
 
 def markdown_table(run_dirs: list[str]) -> str:
     """Per model and domain: accuracy old/new, flip rate, mean |delta|, n usable (README table)."""
-    import json
-    from pathlib import Path
 
     head = ("| model | dtype | suite | domain | n | acc_old | acc_new | flip | raw acc_old | raw acc_new"
             " | raw flip | mean abs delta | usable (recovery) | usable (P(correct)) |")

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from experiments.edit import drive, summarize_states
-from kvnotes.edit_strategies import ERRATA
+from experiments.shared.edits import drive, summarize_states
+from kvnotes.edit.strategies import ERRATA
 
 if TYPE_CHECKING:
     from experiments._context import Context

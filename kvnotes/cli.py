@@ -21,7 +21,7 @@ from pathlib import Path
 # subcommand -> (module run as __main__, what it does, needs the repository)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
     "models": ("kvnotes.models", "list, fetch, verify the packaged weights", False),
-    "verify": ("kvnotes.verify", "composition go / no-go for a model (RoPE, splice fidelity)", False),
+    "verify": ("kvnotes.compose.verify", "composition go / no-go for a model (RoPE, splice fidelity)", False),
     "run": ("experiments.run", "a probe or experiment: kvnotes run +probe=NAME model=M ...", True),
     "figures": ("analysis.figures", "redraw the figures from runs", True),
     "report": ("analysis.report", "rebuild results/REPORT.md from runs", True),

@@ -8,10 +8,10 @@ token's attention (on the cached K/V, so positions after the notes keep what the
 them). Key sets: the top 25 % most-attended downstream positions, a random set matched to it in
 count and in distance from the decision token, the field, the sink; a dose-response over the
 fraction masked (most attended first, and random sets of the same size); the top set per layer
-third (decision variant). Each is summarised as a distribution (probes._readouts), and
+third (decision variant). Each is summarised as a distribution (probes.parts.readouts), and
 REVERTS_RULE, fixed here before any number was looked at, says which variant reproduces the
 paper's "the decision reverts". Attention mass of the decision token is split into field /
-downstream / sink / other / self. Read heads: probes._heads. Paper: thirds early 0.00, mid 0.25,
+downstream / sink / other / self. Read heads: probes.parts.heads. Paper: thirds early 0.00, mid 0.25,
 late 0.33, all 1.00; mass field/downstream/sink 0.001/0.56/0.36; top-12 heads 0.72-0.82.
 """
 
@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes import interp
-from kvnotes.metrics import ci_dict, recovery
+from kvnotes.edit.patching import PatchPair, scores_from_logits
+from kvnotes.engine import interp
+from kvnotes.engine.variants import read_variants
+from kvnotes.measure.metrics import ci_dict, recovery
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, scores_from_logits
 from kvnotes.tasks.item import TaskItem
-from kvnotes.variants import read_variants
-from probes._common import item_fields, run_pairs, skip_summary
-from probes._heads import RANKINGS, head_records, summarize_heads
-from probes._readouts import (
+from probes.parts.common import attention_to_cache, bands, item_fields, run_pairs, skip_summary
+from probes.parts.heads import RANKINGS, head_records, summarize_heads
+from probes.parts.readouts import (
     REVERTED,
     paired_difference,
     per_item,
@@ -42,7 +42,6 @@ from probes._readouts import (
     reversion_stats,
     reverted,
 )
-from probes.suffix import bands
 
 VARIANTS = ("decision", "after_notes")
 REVERTS_RULE = (
@@ -83,14 +82,6 @@ class KnockoutConfig:
             raise ValueError("n_heads >= 1, head_ks >= 1, n_sink >= 0, n_random >= 0, n_random_dose >= 0")
         if self.match_width < 1 or self.batch_size < 1 or self.hide_batch_size < 1:
             raise ValueError("match_width, batch_size and hide_batch_size must be >= 1")
-
-
-def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:
-    """The decision token's attention weights on the new cache: [layer, head, cached pos]."""
-    cap: list[dict[int, torch.Tensor]] = []
-    read_variants(model, pair.new, pair.new, [[]], pair.tail, capture=cap)
-    w = cap[0]
-    return torch.stack([w[layer][0, :, -1, : pair.n_cached] for layer in range(model.n_layers)])
 
 
 def mass_split(att: torch.Tensor, pair: PatchPair, n_sink: int) -> dict[str, float]:

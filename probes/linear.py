@@ -23,12 +23,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvnotes import interp
-from kvnotes.metrics import ci_dict, wilson_ci
+from kvnotes.engine import interp
+from kvnotes.measure.metrics import ci_dict, wilson_ci
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
-from probes._readouts import proportion
-from probes.suffix import segment_of
+from probes.parts.common import segment_of
+from probes.parts.readouts import proportion
 
 LABELS = ("truth", "model")
 
@@ -139,6 +139,7 @@ def cv_correct(x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int, 
     """Per-prompt correctness of grouped cross-validated predictions at each layer: [layer, n].
     None when it cannot be measured (one label class, or fewer than two template groups); a fold
     whose training prompts hold one class predicts that class (chance, not an error)."""
+    # deferred: scikit-learn (about a second to import) is needed by this probe only
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import GroupKFold
     from sklearn.pipeline import make_pipeline

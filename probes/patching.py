@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import by_condition, curve, item_fields, run_pairs, skip_summary
+from probes.parts.common import by_condition, curve, item_fields, run_pairs, skip_summary
 
 CONDITIONS = ("stale", "field_only", "notes_only", "full_downstream", "oracle")
 

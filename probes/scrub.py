@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from kvnotes.metrics import ci_dict
+from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
+from kvnotes.measure.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import item_fields, run_pairs, skip_summary
-from probes._readouts import paired_difference, per_item
-from probes.knockout import attention_to_cache
+from probes.parts.common import attention_to_cache, item_fields, run_pairs, skip_summary
+from probes.parts.readouts import paired_difference, per_item
 
 NOTE_SETS = ("aggregators", "attended")
 

@@ -4,7 +4,7 @@ A gated decision needs two facts: the field's value (in the session) and the rul
 an action (policy .. examples). Each prompt is cut at its segments into a prefix (everything
 before the session), a facts span (session .. examples) and a question (request, task line,
 answer prefix). `single`: the facts span is prefilled alone as one block and spliced after the
-prefix (kvnotes.compose: one RoPE rotation, values copied); `split`: the session and the rest of
+prefix (kvnotes.compose.splice: one RoPE rotation, values copied); `split`: the session and the rest of
 the facts are two blocks, each prefilled alone, so no block ever sees both facts. The question then
 runs on the composed cache and its decision is compared with a full prefill of the same prompt:
 agreement (same argmax among the outcomes), correctness, logit cosine. Seam repair K recomputes
@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from kvnotes.cache import KVCache
-from kvnotes.compose import Block, prefill_block, splice
-from kvnotes.metrics import ci_dict, logit_cosine, paired_prop_diff
+from kvnotes.compose.splice import Block, prefill_block, splice
+from kvnotes.engine.cache import KVCache
+from kvnotes.engine.run import extend, prefill
+from kvnotes.measure.metrics import ci_dict, logit_cosine, paired_prop_diff
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
-from kvnotes.tasks.scoring import decide
-from probes._common import item_fields
-from probes._readouts import proportion
+from kvnotes.tasks.scoring import decide, score
+from probes.parts.common import item_fields
+from probes.parts.readouts import proportion
 
 MODES = ("single", "split")
 
@@ -72,11 +72,6 @@ def _pick(item: TaskItem, logits: torch.Tensor) -> str:
     return item.outcomes[decide([float(logits[i]) for i in item.decision_ids])]
 
 
-def _score(item: TaskItem, logits: torch.Tensor) -> float:
-    a, b = item.score_ids
-    return float(logits[a] - logits[b])
-
-
 def prompt_records(model: LoadedModel, item: TaskItem, which: str, cfg: SplitConfig,
                    prefix: KVCache | None) -> list[dict[str, Any]]:
     a, b, q = cuts(item, cfg)
@@ -86,7 +81,7 @@ def prompt_records(model: LoadedModel, item: TaskItem, which: str, cfg: SplitCon
     blocks = {"single": [prefill_block(model, ids[a:q])],
               "split": [prefill_block(model, ids[a:b]), prefill_block(model, ids[b:q])]}
     base = item_fields(item) | {"prompt": which, "correct_outcome": correct, "ref_pick": _pick(item, ref),
-                                "ref_score": _score(item, ref), "ref_correct": _pick(item, ref) == correct,
+                                "ref_score": score(item, ref), "ref_correct": _pick(item, ref) == correct,
                                 "facts_start": a, "split_at": b, "question_start": q}
     rows = []
     for seam in cfg.seams:
@@ -95,7 +90,7 @@ def prompt_records(model: LoadedModel, item: TaskItem, which: str, cfg: SplitCon
             pick = _pick(item, logits)
             rows.append(base | {"condition": mode, "seam": seam, "n_blocks": len(blocks[mode]),
                                 "block_lens": str([len(x) for x in blocks[mode]]), "pick": pick,
-                                "score": _score(item, logits), "agree": pick == base["ref_pick"],
+                                "score": score(item, logits), "agree": pick == base["ref_pick"],
                                 "correct": pick == correct, "cosine": float(logit_cosine(logits, ref))})
     return rows
 

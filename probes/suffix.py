@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.metrics import ci_dict
+from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
+from kvnotes.measure.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, patched_scores, recoveries
 from kvnotes.tasks.item import TaskItem
-from probes._common import curve, item_fields, run_pairs, skip_summary
+from probes.parts.common import bands, curve, item_fields, run_pairs, segment_of, skip_summary
 
 K_PERCENT = [2, 5, 10, 20, 30, 50, 70, 90, 100]
 TOP_K = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -50,15 +50,6 @@ class SuffixConfig:
             raise ValueError("top_k must be >= 1 and n_random >= 0")
         if self.segment_top_k < 1:
             raise ValueError("segment_top_k must be >= 1")
-
-
-def bands(n_layers: int) -> dict[str, list[int]]:
-    """Early / mid / late thirds of the layers, and all of them."""
-    third = [round(i * n_layers / 3) for i in range(4)]
-    names = ("early", "mid", "late")
-    out = {n: list(range(third[i], third[i + 1])) for i, n in enumerate(names)}
-    out["all"] = list(range(n_layers))
-    return out
 
 
 def item_records(
@@ -97,10 +88,6 @@ def item_records(
     for row, s, r in zip(rows, scores, recoveries(pair, scores), strict=True):
         row["score"], row["recovery"] = float(s), float(r)
     return rows + [base | r for r in extra]
-
-
-def segment_of(item: TaskItem, pos: int) -> str:
-    return next((name for name, (a, b) in item.segments.items() if a <= pos < b), "other")
 
 
 def segment_records(item: TaskItem, down: list[int], effect: np.ndarray, top: list[int],

@@ -67,12 +67,13 @@ def add(entry: Entry) -> None:
 
 
 def discover() -> list[str]:
-    """Import every public module of probes/ and experiments/ and record the jobs they define."""
+    """Import every public module of probes/ and experiments/ and record the jobs they define
+    (sub-packages, such as `probes.parts` and `experiments.shared`, hold shared parts, not jobs)."""
     found = []
     for kind, package in PACKAGES.items():
         pkg = importlib.import_module(package)
         for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name.startswith("_"):
+            if info.name.startswith("_") or info.ispkg:
                 continue
             entry = entry_of(importlib.import_module(f"{package}.{info.name}"), kind)
             if entry is not None:

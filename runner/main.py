@@ -25,10 +25,10 @@ import hydra
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from kvnotes import provenance
 from kvnotes.errors import ConfigError
+from kvnotes.measure import provenance
+from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel
-from kvnotes.timing import MemoryBudgetError, check_fits, torch_threads
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
 from runner.jobs import discover

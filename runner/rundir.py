@@ -350,7 +350,7 @@ def summary_table(summary: Mapping[str, Any], max_rows: int = 60) -> str:
         return "\n".join([*lines, str(summary.get("no_usable") or (
             f"no usable item: every mean is over 0 of {summary['n_items']} items at margin "
             f"{summary.get('margin')}. Try a model that conditions on the field (qwen-1.5b) or a margin "
-            "derived by the rule of kvnotes.margins (python -m analysis.margin <gated-control run>)."))])
+            "derived by the rule of kvnotes.measure.margins (python -m analysis.margin <gated-control run>)."))])
     notes = [f"{k.replace('_', ' ')}: {summary[k]}" for k in ("reading", "margin_rule")
              if isinstance(summary.get(k), str)]
 

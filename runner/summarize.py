@@ -19,7 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
-from kvnotes.provenance import git_state
+from kvnotes.measure.provenance import git_state
 from runner.config import validate
 from runner.jobs import discover
 from runner.main import build_summary

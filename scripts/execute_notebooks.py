@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(paths) != len(a.names):
             print(f"error: unknown notebook in {a.names}", file=sys.stderr)
             return 2
-    from kvnotes.provenance import git_state
+    from kvnotes.measure.provenance import git_state
 
     git = git_state(ROOT)  # before the first notebook is written back
     for path in paths:

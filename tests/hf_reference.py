@@ -1,4 +1,4 @@
-"""References computed with the plain transformers model only (no kvnotes.run, no kvnotes.cache):
+"""References computed with the plain transformers model only (no kvnotes.engine.run, no kvnotes.engine.cache):
 the K/V of a prefill and a forward of tokens after hand-built per-layer K/V."""
 
 from __future__ import annotations

@@ -48,6 +48,126 @@ def test_layers_import_only_downwards(folder):
     assert not {k: v for k, v in bad.items() if v}, f"{folder}/ reaches up or sideways"
 
 
+# The rooms of the library, lowest first: a room imports only rooms below it (and itself).
+ROOMS = ["errors", "measure", "models", "engine", "tasks", "compose", "edit", "cli", "__init__"]
+# Where a model's forward may be called: the engine, plus the one load-time health check (a
+# forward with no cache and no intervention, before any engine runs the weights; models sit
+# below the engine, so it cannot go through it).
+FORWARD_OWNER = "kvnotes/engine/"
+FORWARD_EXCEPTIONS = {"kvnotes/models/loading.py:check_finite_logits"}
+
+
+def room_of(module: str) -> str:
+    """kvnotes.engine.run -> engine; kvnotes.errors -> errors; kvnotes -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def kvnotes_imports(path: Path) -> set[str]:
+    """The kvnotes modules a module imports, at any depth; `from kvnotes.x import y` counts y
+    when y is a module."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "kvnotes"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] == "kvnotes":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = (ROOT / (sub.replace(".", "/") + ".py")).exists() or \
+                    (ROOT / sub.replace(".", "/") / "__init__.py").exists()
+                out.add(sub if is_module else node.module)
+    return out
+
+
+def test_library_rooms_import_only_downwards():
+    rank = {r: i for i, r in enumerate(ROOMS)}
+    bad = []
+    for path in modules("kvnotes"):
+        me = room_of(module_name(path))
+        assert me in rank, f"{rel(path)}: a room not in ROOMS ({me}); add it in its place"
+        for target in kvnotes_imports(path):
+            if target != "kvnotes" and rank[room_of(target)] > rank[me]:
+                bad.append(f"{rel(path)} -> {target}")
+    assert not bad, f"upward imports inside kvnotes: {bad}"
+
+
+def test_no_import_cycles_inside_kvnotes():
+    graph = {module_name(p): {t for t in kvnotes_imports(p) if t != "kvnotes"} for p in modules("kvnotes")}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    # a package's __init__ importing its own modules is not a cycle with them
+    cycles = [c for c in cycles if not any(m.startswith(c.split(" -> ")[0] + ".") for m in c.split(" -> "))]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def forward_calls(path: Path) -> list[str]:
+    """`<fn>:<line>` of every call of a model's forward: `x.hf(...)`, `x.hf.generate/forward(...)`,
+    `x.adapter.decoder(...)(...)`, `x.nnsight.trace(...)`."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)] or [tree]:
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            text = ast.unparse(f)
+            if (isinstance(f, ast.Attribute) and f.attr == "hf") or \
+                    text.endswith((".hf.generate", ".hf.forward", ".nnsight.trace")) or \
+                    (isinstance(f, ast.Call) and ast.unparse(f.func).endswith(".decoder")):
+                out.append(f"{getattr(fn, 'name', '<module>')}:{node.lineno}")
+    return out
+
+
+@pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "analysis", "benchmarks"])
+def test_only_the_engine_calls_a_models_forward(folder):
+    found = []
+    for path in modules(folder):
+        if rel(path).startswith(FORWARD_OWNER):
+            continue
+        for call in forward_calls(path):
+            if f"{rel(path)}:{call.split(':')[0]}" not in FORWARD_EXCEPTIONS:
+                found.append(f"{rel(path)}:{call}")
+    assert not found, f"a model's forward outside {FORWARD_OWNER}: {found}"
+
+
+def test_the_forward_scan_sees_every_kind_of_call(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(model, x):\n    model.hf(input_ids=x)\n    model.hf.generate(x)\n"
+                   "    model.adapter.decoder(model.hf)(x)\n    with model.nnsight.trace(x):\n        pass\n")
+    assert len(forward_calls(src)) == 4
+
+
+def test_the_attention_switch_is_in_one_place():
+    writes = []
+    for path in modules("kvnotes"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "_attn_implementation" for t in node.targets):
+                writes.append(rel(path))
+    # the engine's switch, and the tiny configs' build-time choice (a fresh config, not a switch)
+    assert set(writes) <= {"kvnotes/engine/run.py", "kvnotes/models/tiny.py"}, writes
+    assert writes.count("kvnotes/engine/run.py") == 2  # set, then restore, in attention_impl
+
+
 def test_the_entry_files_only_hand_over_to_the_runner():
     for name in ENTRY_FILES:
         tree = ast.parse((ROOT / name).read_text())

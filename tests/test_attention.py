@@ -1,4 +1,4 @@
-"""kvnotes.attention, called directly, against attention written out per variant; and the attention
+"""kvnotes.engine.attention, called directly, against attention written out per variant; and the attention
 of a partial recompute (`run.recompute`) against the HF model run one token at a time.
 
 The variant attention never builds a patched cache: it writes the patched score columns in place
@@ -15,8 +15,8 @@ from hf_reference import forward, prefill_kv
 from tolerances import ATOL_FP32
 from torch import nn
 
-from kvnotes import attention, run
-from kvnotes.cache import KVCache
+from kvnotes.engine import attention, run
+from kvnotes.engine.cache import KVCache
 
 B, H, KV, T, D, N, L = 4, 4, 2, 3, 8, 12, 3  # variants, heads, kv heads, tail, d_head, cached, layers
 LAYER = 1

@@ -8,7 +8,8 @@ from tolerances import ATOL_FP32
 
 from benchmarks import engine
 from benchmarks import engine_paths as workloads
-from kvnotes import provenance, run
+from kvnotes.engine import run
+from kvnotes.measure import provenance
 from kvnotes.models.tiny import tiny_model
 
 
@@ -229,7 +230,7 @@ def test_random_init_checks_an_8b_shape_before_building_it(tmp_path, capsys, mon
     """Llama-3.1-8B at 8k: refused on a 16 GiB device, accepted on 80 GiB, with no weights built
     for the check; a folder without a config is a one-line error."""
     from benchmarks.shapes import SHAPES
-    from kvnotes import timing
+    from kvnotes.measure import timing
     from kvnotes.models import tiny
 
     folder = _shape_folder(tmp_path / "l8b", SHAPES["llama-3.1-8b"])
@@ -257,7 +258,7 @@ def test_random_init_checks_an_8b_shape_before_building_it(tmp_path, capsys, mon
 
 
 def test_random_model_builds_the_folders_architecture_with_its_tokenizer(tmp_path):
-    from kvnotes import store
+    from kvnotes.models.loading import weights_id
     from kvnotes.models.tiny import random_model, tiny_config
 
     cfg = tiny_config("qwen3").to_dict()
@@ -265,6 +266,6 @@ def test_random_model_builds_the_folders_architecture_with_its_tokenizer(tmp_pat
     m = random_model(str(folder), device="cpu", seed=3)
     assert m.adapter.family == "qwen3" and m.dtype == torch.float32 and m.checksum.startswith("fingerprint:")
     assert m.checksum != random_model(str(folder), device="cpu", seed=4).checksum
-    assert m.checksum == store.weights_id(random_model(str(folder), device="cpu", seed=3))
+    assert m.checksum == weights_id(random_model(str(folder), device="cpu", seed=3))
     ids = m.tokenizer("a short prompt", return_tensors="pt").input_ids
     assert torch.isfinite(run.full_logits(m, ids)).all()

@@ -1,4 +1,4 @@
-"""Which block tokens CacheBlend recomputes (kvnotes.blend): the key deviation at the check layer,
+"""Which block tokens CacheBlend recomputes (kvnotes.compose.blend): the key deviation at the check layer,
 the budget's rounding, and the top-k over block positions only, each against a value computed
 here independently (known perturbations of the keys, a plain HF prefill, a sort of the deviation).
 """
@@ -10,9 +10,11 @@ import torch
 from hf_reference import prefill_kv
 from tolerances import ATOL_FP32
 
-from kvnotes import blend, compose, run
-from kvnotes.blend import Layout, Method
-from kvnotes.cache import KVCache
+from kvnotes.compose import blend
+from kvnotes.compose import splice as compose
+from kvnotes.compose.blend import Layout, Method
+from kvnotes.engine import run
+from kvnotes.engine.cache import KVCache
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvnotes import run
-from kvnotes.cache import KVCache, cat, patch, stack
+from kvnotes.engine import run
+from kvnotes.engine.cache import KVCache, cat, patch, stack
 
 
 def _rand_cache(layers: int, pos: int, seed: int, batch: int = 1) -> KVCache:
@@ -78,7 +78,7 @@ def test_cat_slice_select_stack():
 
 def test_slots_buffers_copy_once_and_refuse_overflow():
     """The buffers a forward writes into: the cache in [:n] (broadcast over a batch), room after."""
-    from kvnotes.cache import buffers, dynamic, from_slots, slots_class
+    from kvnotes.engine.cache import buffers, dynamic, from_slots, slots_class
 
     c = _rand_cache(2, 5, 0)
     keys, values = buffers(c, room=3, batch=2, device=torch.device("cpu"))

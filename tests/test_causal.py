@@ -1,11 +1,11 @@
-"""kvnotes.causal: every branch equals attention written out (repeated keys, explicit mask)."""
+"""kvnotes.engine.causal: every branch equals attention written out (repeated keys, explicit mask)."""
 
 import pytest
 import torch
 from tolerances import ATOL_FP32
 from torch import nn
 
-from kvnotes import causal
+from kvnotes.engine import causal
 
 
 def _reference(q, k, v, allowed, scale):

@@ -4,7 +4,8 @@ import pytest
 import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import compose, run
+from kvnotes.compose import splice as compose
+from kvnotes.engine import run
 
 
 def _ids(n, seed):

@@ -30,11 +30,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes.cache import patch
+from kvnotes.engine.cache import patch
+from kvnotes.engine.run import extend, prefill
 from kvnotes.models import FAMILIES
 from kvnotes.models.loading import LoadedModel
 from kvnotes.models.tiny import tiny_model
-from kvnotes.run import extend, prefill
 
 ATOL = 1e-4  # fp32
 KVStore = dict[tuple[int, str], Float[Tensor, "batch pos kv_head d_head"]]

@@ -4,9 +4,10 @@ import pytest
 import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import run, tasks
-from kvnotes.cache import patch
-from kvnotes.edit_strategies import ERRATA, Editor, erratum_position
+from kvnotes import tasks
+from kvnotes.edit.strategies import ERRATA, Editor, erratum_position
+from kvnotes.engine import run
+from kvnotes.engine.cache import patch
 from kvnotes.models.tiny import tiny_model
 
 
@@ -57,7 +58,7 @@ def test_field_erratum_is_field_edit_then_append(setup):
     Not a clean prefill of any token sequence (the notes after the field stay stale): compared
     with that construction built from clean prefills and a patch.
     """
-    from kvnotes.cache import patch
+    from kvnotes.engine.cache import patch
 
     m, item, ed = setup
     at = erratum_position(item)
@@ -114,10 +115,10 @@ def test_rank_by_effect_puts_the_most_recovering_position_first(setup):
 
 def test_edit_times_are_device_synchronised(setup, monkeypatch):
     """Every strategy's time waits for the device at both ends (CUDA runs asynchronously)."""
-    import kvnotes.timing
+    import kvnotes.measure.timing
 
     m, _, ed = setup
     seen = []
-    monkeypatch.setattr(kvnotes.timing, "synchronize", lambda device: seen.append(torch.device(device)))
+    monkeypatch.setattr(kvnotes.measure.timing, "synchronize", lambda device: seen.append(torch.device(device)))
     state = ed.erratum()
     assert seen == [m.device, m.device] and state.seconds > 0

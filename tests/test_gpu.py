@@ -4,8 +4,11 @@ synchronised timers and CUDA peak memory, and one patching probe end to end. Ski
 import pytest
 import torch
 
-from kvnotes import compose, run, tasks, timing, variants
-from kvnotes.cache import patch
+from kvnotes import tasks
+from kvnotes.compose import splice as compose
+from kvnotes.engine import run, variants
+from kvnotes.engine.cache import patch
+from kvnotes.measure import timing
 from kvnotes.models import FAMILIES
 from kvnotes.models.tiny import tiny_model
 
@@ -67,7 +70,7 @@ def test_timers_synchronise_and_read_cuda_peak():
 
 
 def test_patching_probe_end_to_end():
-    from kvnotes.patching import make_pair, patched_scores
+    from kvnotes.edit.patching import make_pair, patched_scores
 
     m = tiny_model("llama", seed=0, dtype=torch.bfloat16)
     m.hf.to("cuda")
@@ -80,7 +83,7 @@ def test_patching_probe_end_to_end():
 
 
 def test_a_block_loaded_to_cuda_is_the_stored_block_and_a_damaged_one_is_refused(cuda_tiny, tmp_path):
-    from kvnotes import store
+    from kvnotes.compose import store
 
     blk = compose.prefill_block(cuda_tiny, _ids(40, 8))
     path = store.save_block(store.block_path(tmp_path, "b"), cuda_tiny, blk)

@@ -1,4 +1,4 @@
-"""kvnotes.margins: the margin rule, the recorded derivations, and analysis.margin on a control run."""
+"""kvnotes.measure.margins: the margin rule, the recorded derivations, and analysis.margin on a control run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvnotes import margins
+from kvnotes.measure import margins
 from kvnotes.models.registry import get_spec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"

@@ -1,4 +1,4 @@
-"""kvnotes.metrics against hand-computed values."""
+"""kvnotes.measure.metrics against hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvnotes.metrics import (
+from kvnotes.measure.metrics import (
     bootstrap_ci,
     kl_divergence,
     logit_cosine,
@@ -159,7 +159,7 @@ def test_proportion_ci_is_wilson_over_0_1_outcomes():
 
 
 def test_paired_prop_diff_never_zero_width_and_mirrors():
-    from kvnotes.metrics import paired_prop_diff
+    from kvnotes.measure.metrics import paired_prop_diff
 
     tie = paired_prop_diff([1] * 8, [1] * 8)  # every pair agrees: the difference is 0, not known to be 0
     assert tie["mean"] == 0.0 and tie["ci_lo"] < -0.2 and tie["ci_hi"] > 0.2
@@ -179,7 +179,7 @@ def test_paired_prop_diff_never_zero_width_and_mirrors():
 def test_paired_prop_diff_covers_at_nominal_level(cells):
     """Coverage of the true P(a) - P(b) over 1,000 simulated tables of 30 correlated pairs: Newcombe's
     method 10 stays near 95 %."""
-    from kvnotes.metrics import paired_prop_diff
+    from kvnotes.measure.metrics import paired_prop_diff
 
     rng = np.random.default_rng(0)
     truth = cells[1] - cells[2]

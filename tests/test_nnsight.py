@@ -3,7 +3,7 @@
 nnsight wraps the very modules kvnotes runs, so a read or a patch through a trace must give the
 same numbers as a forward hook doing the same thing by hand: reading a layer's output, and
 patching the residual stream or the attention output at one position from a source prompt into
-a destination prompt. The helpers in `kvnotes.interp` are checked the same way. Module paths come
+a destination prompt. The helpers in `kvnotes.engine.interp` are checked the same way. Module paths come
 from the family adapter, so the tiny tests run over every family.
 """
 
@@ -19,10 +19,10 @@ from jaxtyping import Int
 from tolerances import ATOL_FP32
 from torch import Tensor, nn
 
-from kvnotes.interp import patch_head_outputs, residual_stream
+from kvnotes.engine.interp import patch_head_outputs, residual_stream
+from kvnotes.engine.run import full_logits, prefill
 from kvnotes.models import FAMILIES, LoadedModel, wrap_model
 from kvnotes.models.tiny import tiny_model
-from kvnotes.run import full_logits, prefill
 
 ATOL = 1e-5  # the same kernels run either way; only grad mode differs
 
@@ -203,7 +203,7 @@ def test_trace_on_an_edited_cache_matches_exactly(family):
     that cache bit for bit, and kvnotes' own `next_token_logits` within fp32 rounding (kvnotes
     may run another attention kernel)."""
     from kvnotes import EditableCache
-    from kvnotes.editable import demo_prompt
+    from kvnotes.edit.editable import demo_prompt
 
     model = tiny_model(family)  # with the character tokenizer EditableCache needs
     edit = EditableCache(model, demo_prompt()).edit("account_role: admin", "account_role: guest",
@@ -222,7 +222,7 @@ def test_trace_on_an_edited_cache_matches_exactly(family):
     assert (logits[0, -1] - edit.next_token_logits()).abs().max().item() <= ATOL_FP32
 
 
-# --- kvnotes.interp ---------------------------------------------------------------------------------
+# --- kvnotes.engine.interp ---------------------------------------------------------------------------------
 def test_residual_stream_matches_hooks(tiny):
     ids = random_ids(20, seed=6)
     resid = residual_stream(tiny, ids)

@@ -1,4 +1,4 @@
-"""kvnotes.patching on tiny random models of every family, against plain transformers forwards.
+"""kvnotes.edit.patching on tiny random models of every family, against plain transformers forwards.
 
 References: the stale and oracle caches and scores are prefills of the old and new prompts; a
 patched state is rebuilt by hand (the old prompt's K/V with the new prompt's at the chosen
@@ -17,7 +17,7 @@ import torch
 from hf_reference import forward, prefill_kv
 from tolerances import ATOL_FP32
 
-from kvnotes.patching import make_pair, patched_scores, recoveries, scores_from_logits
+from kvnotes.edit.patching import make_pair, patched_scores, recoveries, scores_from_logits
 from kvnotes.tasks.item import TaskItem
 
 N = 40  # prompt tokens: longer than the tiny sliding window (24)

@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import ATOL_FP32
 
-from kvnotes import rope, run
-from kvnotes.cache import KVCache
+from kvnotes.engine import rope, run
+from kvnotes.engine.cache import KVCache
+from kvnotes.models import rope_types
 from kvnotes.models.tiny import tiny_model
 
 
@@ -97,9 +98,9 @@ def test_longrope_is_wrong_past_the_original_context_so_it_is_refused():
     naive = k * cos[0] + rope.rotate_half(k) * sin[0]
     rel = ((naive - at.keys[0]).abs().max() / at.keys[0].abs().max()).item()
     assert rel > 0.1, rel  # the silent error the refusal prevents
-    with pytest.raises(rope.UnsupportedRopeError, match="longrope"):
+    with pytest.raises(rope_types.UnsupportedRopeError, match="longrope"):
         rope.reposition(m, alone, 100)
-    with pytest.raises(rope.UnsupportedRopeError, match="longrope"):
+    with pytest.raises(rope_types.UnsupportedRopeError, match="longrope"):
         m.adapter.rope_cos_sin(m.hf, torch.tensor([3]), 0)
     facts = rope.rope_facts(m)
     assert not facts[0]["supported"] and "longrope" in facts[0]["unsupported_reason"]
@@ -108,14 +109,14 @@ def test_longrope_is_wrong_past_the_original_context_so_it_is_refused():
 def test_unknown_and_partial_rope_are_refused_and_static_ones_pass():
     import pytest
 
-    for t in rope.STATIC_ROPE_TYPES:
-        rope.check_rope_type(t)
-    with pytest.raises(rope.UnsupportedRopeError, match="dynamic"):
-        rope.check_rope_type("dynamic", 3)
-    with pytest.raises(rope.UnsupportedRopeError, match="proportional"):
-        rope.check_rope_type("proportional")
-    with pytest.raises(rope.UnsupportedRopeError, match="partial"):
-        rope.check_rope_type("default", partial_rotary_factor=0.5)
+    for t in rope_types.STATIC_ROPE_TYPES:
+        rope_types.check_rope_type(t)
+    with pytest.raises(rope_types.UnsupportedRopeError, match="dynamic"):
+        rope_types.check_rope_type("dynamic", 3)
+    with pytest.raises(rope_types.UnsupportedRopeError, match="proportional"):
+        rope_types.check_rope_type("proportional")
+    with pytest.raises(rope_types.UnsupportedRopeError, match="partial"):
+        rope_types.check_rope_type("default", partial_rotary_factor=0.5)
 
 
 def test_rope_facts_of_every_tiny_family(tiny):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import run, variants
+from kvnotes.engine import run, variants
 
 
 def _ids(n: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_real_llama_prefill_extend_equals_full(llama):
 
 def test_read_variants_equals_materialised_patches(tiny):
     """The batched variant attention is exact: same logits as building each patched cache."""
-    from kvnotes.cache import patch
+    from kvnotes.engine.cache import patch
 
     g = torch.Generator().manual_seed(0)
     a = run.prefill(tiny, torch.randint(0, 128, (1, 40), generator=g)).cache
@@ -142,7 +142,7 @@ def test_text_without_a_tokenizer_is_refused(tiny):
 
 
 def test_read_variants_refuses_negative_positions_as_patch_does(tiny):
-    from kvnotes.cache import patch
+    from kvnotes.engine.cache import patch
 
     g = torch.Generator().manual_seed(0)
     c = run.prefill(tiny, torch.randint(0, 128, (1, 10), generator=g)).cache
@@ -179,7 +179,7 @@ def test_cached_extend_builds_no_mask_and_repeats_no_keys(tiny, monkeypatch):
 
 def test_forward_at_fuses_recompute_and_append(tiny):
     """Recomputing positions and appending tokens in one forward equals the two calls."""
-    from kvnotes.cache import buffers
+    from kvnotes.engine.cache import buffers
 
     old, new = _ids(26, seed=0), _ids(26, seed=0).clone()
     new[0, 5:7] = torch.tensor([3, 4])
@@ -197,17 +197,17 @@ def test_forward_at_fuses_recompute_and_append(tiny):
 
 
 def KVCache_of(keys, values, n):
-    from kvnotes.cache import KVCache
+    from kvnotes.engine.cache import KVCache
 
     return KVCache(tuple(k[:, :, :n] for k in keys), tuple(v[:, :, :n] for v in values))
 
 
 def test_variant_batch_size_follows_free_memory(tiny, monkeypatch):
-    import kvnotes.timing
+    import kvnotes.measure.timing
 
-    monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**6)
+    monkeypatch.setattr(kvnotes.measure.timing, "available_bytes", lambda device: 10**6)
     small = variants.variant_batch_size(tiny, 1000, 1, 1)
-    monkeypatch.setattr(kvnotes.timing, "available_bytes", lambda device: 10**10)
+    monkeypatch.setattr(kvnotes.measure.timing, "available_bytes", lambda device: 10**10)
     large = variants.variant_batch_size(tiny, 1000, 1, 1)
     assert 1 <= small < large <= 1024
     g = torch.Generator().manual_seed(0)
@@ -245,7 +245,7 @@ def test_recompute_extend_is_recompute_then_extend_in_one_forward(tiny):
 
 
 def test_extend_into_writes_in_place_and_equals_extend(tiny):
-    from kvnotes.cache import buffers
+    from kvnotes.engine.cache import buffers
 
     ids = _ids(40)
     c = run.prefill(tiny, ids[:, :20]).cache

@@ -12,7 +12,9 @@ import pytest
 import torch
 from tolerances import ATOL_FP32
 
-from kvnotes import compose, run, store
+from kvnotes.compose import splice as compose
+from kvnotes.compose import store
+from kvnotes.engine import run
 from kvnotes.models.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +110,7 @@ def test_another_process_loads_the_block(tmp_path):
     torch.save({"k": blk.cache.keys[2], "v": blk.cache.values[2]}, tmp_path / "ref.pt")
     code = textwrap.dedent(f"""
         import torch
-        from kvnotes import store
+        from kvnotes.compose import store
         from kvnotes.models.tiny import tiny_model
         blk = store.load_block({str(path)!r}, tiny_model("gemma3", seed=3))
         ref = torch.load({str(tmp_path / "ref.pt")!r})
@@ -216,7 +218,7 @@ def test_staged_read_gives_the_files_tensors_and_metadata(tmp_path):
     returns what safetensors reads, dtypes and bytes included."""
     from safetensors import safe_open
 
-    from kvnotes.store import read_staged
+    from kvnotes.compose.store import read_staged
 
     m = tiny_model("llama", dtype=torch.bfloat16)
     path = store.save_block(store.block_path(tmp_path, "b"), m, compose.prefill_block(m, torch.arange(5, 42)[None]))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvnotes import compose, store
+from kvnotes.compose import splice as compose
+from kvnotes.compose import store
 from kvnotes.models.tiny import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""kvnotes.timing: synchronised regions, peak memory per device, memory budgets."""
+"""kvnotes.measure.timing: synchronised regions, peak memory per device, memory budgets."""
 
 import time
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvnotes.timing as timing
+import kvnotes.measure.timing as timing
 from kvnotes.models.tiny import tiny_model
 
 
@@ -58,7 +58,7 @@ _RSS_AFTER_FREE = """
 import ctypes, re, sys
 from pathlib import Path
 if sys.argv[1] == "keep":
-    from kvnotes.timing import keep_freed_memory
+    from kvnotes.measure.timing import keep_freed_memory
     assert keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

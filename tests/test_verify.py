@@ -1,4 +1,4 @@
-"""kvnotes.verify: go on every tiny family and the real llama, no-go (and a refused transplant
+"""kvnotes.compose.verify: go on every tiny family and the real llama, no-go (and a refused transplant
 gate) on longrope and on a wrong rotation, the command line."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvnotes import verify
+from kvnotes.compose import verify
 from kvnotes.models.tiny import tiny_model
 
 

@@ -18,7 +18,7 @@ from analysis import style
 from analysis.aggregate import ci_table, to_float
 from analysis.figures import Skip
 from analysis.load import select
-from kvnotes.metrics import wilson_ci
+from kvnotes.measure.metrics import wilson_ci
 
 NAME = "distance"
 TITLE = "Field-to-decision distance: |delta score|, usable share, field-only and notes-only recovery"

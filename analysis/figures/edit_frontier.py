@@ -22,23 +22,17 @@ from analysis import style
 from analysis.aggregate import ci_table, to_float
 from analysis.figures import Skip
 from analysis.load import job_params, select
+from kvnotes.edit.registry import COT_TOKENS, needs_oracle
 
 NAME = "edit_frontier"
 TITLE = "Editing: correctness vs cost per strategy"
 NEEDS = "experiment edit (task gated)"
 TASKS = ["gated"]
 METRICS = (("correct", "usable_p_correct", "P(correct)"), ("recovery", "usable_recovery", "recovery"))
-COT_DEFAULT = 48  # experiments.edit.EditConfig.cot_tokens
 
 
 def base_name(strategy: str) -> str:
     return str(strategy).split("+")[0]
-
-
-def needs_oracle(strategy: str) -> bool:
-    """Strategies that read the oracle prefill: copied K/V, or positions ranked by their effect."""
-    b = base_name(strategy).split("@")[0]
-    return b in ("selective_copy", "selective_recompute") or b.startswith("copy") or "effect" in b
 
 
 def frontier(points: pd.DataFrame) -> pd.DataFrame:
@@ -62,7 +56,7 @@ def with_cost(d: pd.DataFrame, frame: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         if "generated_tokens" in d:
             gen = to_float(d["generated_tokens"])
         else:
-            budget = {r: float(job_params(frame, r).get("cot_tokens", COT_DEFAULT)) for r in d.loc[cot, "run_id"].unique()}
+            budget = {r: float(job_params(frame, r).get("cot_tokens", COT_TOKENS)) for r in d.loc[cot, "run_id"].unique()}
             gen = d["run_id"].map(budget).astype(float)
             note = " CoT cost uses the run's cot_tokens budget (records lack the generated count): an upper bound."
         cost = cost.where(~cot, cost + gen / to_float(d["n_tokens"]))

@@ -22,7 +22,7 @@ from analysis import style
 from analysis.aggregate import ci_table, reference, to_float, unit_means
 from analysis.figures import Skip
 from analysis.load import select
-from kvnotes.metrics import wilson_ci
+from kvnotes.measure.metrics import wilson_ci
 
 NAME = "knockout_dose"
 TITLE = "Attention knockout: dose-response, signed reversion, layer thirds, attention mass, read heads"
@@ -31,7 +31,7 @@ TASKS = ["gated"]
 BANDS = ("early", "mid", "late", "all")
 MASS = ("mass_field", "mass_downstream", "mass_sink", "mass_other", "mass_self")
 VARIANTS = {"decision": ("#1f77b4", "decision token only"), "after_notes": ("#d62728", "every query after the notes")}
-LO, HI = 0.5, 1.5  # probes._readouts.REVERTED
+LO, HI = 0.5, 1.5  # probes.parts.readouts.REVERTED
 CLIP = (-3.0, 4.0)  # panel (b) y-range; points beyond are drawn on the edge
 
 

@@ -21,7 +21,7 @@ from analysis import style
 from analysis.aggregate import reference
 from analysis.figures import Skip
 from analysis.load import job_params
-from kvnotes.metrics import range_dict
+from kvnotes.measure.metrics import range_dict
 
 NAME = "ttft_scaling"
 TITLE = "TTFT vs skill length: full prefill, transplant, limit"
@@ -45,7 +45,7 @@ def speedups(t: pd.DataFrame, seam: int) -> pd.DataFrame:
 
 
 def _band(x: np.ndarray) -> dict[str, float]:
-    """kvnotes.metrics.range_dict as a figure band: mean, lo = min, hi = max, n."""
+    """kvnotes.measure.metrics.range_dict as a figure band: mean, lo = min, hi = max, n."""
     r = range_dict(x)
     return {"mean": r["mean"], "lo": r["min"], "hi": r["max"], "n": r["n"]}
 
@@ -69,7 +69,7 @@ LIMIT_PATHS = ("limit", "limit_engine", "limit_inplace")  # transformers; kvnote
 def fastest_limit(t: pd.DataFrame) -> pd.DataFrame:
     """Runs that time the question-only forward more than one way (`limit`: transformers alone;
     `limit_engine`: kvnotes' extend; `limit_inplace`: kvnotes over a cache held in place) keep
-    the fastest by median as `limit` (kvnotes.limit); a run that timed only `limit` keeps it."""
+    the fastest by median as `limit` (kvnotes.engine.limit); a run that timed only `limit` keeps it."""
     if t.empty or not t["path"].isin(LIMIT_PATHS[1:]).any():
         return t
     lim = t[t["path"].isin(LIMIT_PATHS)]

@@ -119,7 +119,7 @@ def machine_bytes(device: str) -> tuple[int | None, str]:
     """Memory of the device the forward passes run on (RAM for CPU), and its name."""
     import torch
 
-    from kvnotes.timing import total_bytes
+    from kvnotes.measure.timing import total_bytes
 
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)

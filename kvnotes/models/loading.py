@@ -14,6 +14,7 @@ edits through kvnotes see the same weights.
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,7 @@ def resolve_dtype(
     import logging
     import re
 
-    from kvnotes.timing import available_bytes, native_bf16
+    from kvnotes.measure.timing import available_bytes, native_bf16
 
     if dtype not in (None, "auto"):
         try:
@@ -324,3 +325,21 @@ def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> Lo
 
 def describe_cache() -> str:
     return str(cache_dir())
+
+
+def weights_id(model: LoadedModel) -> str:
+    """What identifies the loaded weights: `model.checksum`, else a fingerprint of the parameters.
+
+    `load_model` sets the checksum from what it loaded: the sha256 digest of a packaged model's
+    converted files (checked against their record at load) or a hub checkpoint's commit. The
+    fingerprint, for a wrapped or local model, hashes every parameter's name, shape, dtype and
+    first 4096 values, which is cheap at any model size and tells two random initialisations apart.
+    """
+    if model.checksum:
+        return str(model.checksum)
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return "fingerprint:" + h.hexdigest()

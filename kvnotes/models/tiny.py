@@ -61,17 +61,16 @@ def random_model(folder: str, device: str = "auto", dtype: str = "auto", seed: i
     one for a hub model these machines cannot fetch, e.g. Llama-3.1-8B). The weights are
     initialised on the device, so an 8B model costs seconds, not a 16 GB download. What it
     computes is noise: its speed and memory are those of the real model, its logits are not.
-    The weights' fingerprint (`kvnotes.store.weights_id`) is taken once here, as a loaded model's
+    The weights' fingerprint (`kvnotes.models.loading.weights_id`) is taken once here, as a loaded model's
     checksum is: stored blocks are matched to it without re-reading the parameters per load.
-    `device="meta"` allocates nothing: the sizes alone, for `kvnotes.timing.check_fits(...,
+    `device="meta"` allocates nothing: the sizes alone, for `kvnotes.measure.timing.check_fits(...,
     device=...)` before the weights exist.
     """
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvnotes.models.loading import WeightsError, resolve_device, resolve_dtype
-    from kvnotes.store import weights_id
+    from kvnotes.models.loading import WeightsError, resolve_device, resolve_dtype, weights_id
 
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():

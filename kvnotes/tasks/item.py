@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from jaxtyping import Float
+from torch import Tensor
+
 from kvnotes.tasks.tokens import check_alignment
 
 
@@ -94,6 +97,12 @@ class TaskItem:
             neg = next(i for i in range(len(self.outcomes)) if i != pos)
             pos, neg = neg, pos
         return self.decision_ids[pos], self.decision_ids[neg]
+
+    def decision_score(self, logits: Float[Tensor, "*batch vocab"]) -> Float[Tensor, "*batch"]:
+        """The decision score, logit[positive] - logit[negative] of `score_ids`, in fp32, for logits
+        of any leading shape: the one definition every probe, strategy and experiment reads."""
+        pos, neg = self.score_ids
+        return logits[..., pos].float() - logits[..., neg].float()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -18,8 +18,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from kvnotes.engine.run import extend, prefill
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
 
 
@@ -65,9 +65,8 @@ def outcome_logits(item: TaskItem, logits: Float[Tensor, " vocab"]) -> tuple[flo
 
 
 def score(item: TaskItem, logits: Float[Tensor, " vocab"]) -> float:
-    """logit[positive] - logit[negative] of the item's score contrast."""
-    pos, neg = item.score_ids
-    return float(logits[pos].float() - logits[neg].float())
+    """logit[positive] - logit[negative] of the item's score contrast (`TaskItem.decision_score`)."""
+    return float(item.decision_score(logits))
 
 
 def decision_logits(

@@ -20,7 +20,7 @@ from run_folders import N_ITEMS, write_run
 from analysis import aggregate, claims, load, report
 from analysis.figures import FIGURES, Skip, build_all
 from analysis.figures import __main__ as figures_cli
-from kvnotes.metrics import bootstrap_ci
+from kvnotes.measure.metrics import bootstrap_ci
 
 RNG = np.random.default_rng(0)
 LAYERS = 6

@@ -14,8 +14,8 @@ import yaml
 
 from analysis import aggregate, claims, load, reference, report
 from analysis.dtype_section import dtype_section
-from kvnotes.metrics import bootstrap_ci
-from probes._common import ci_dict
+from kvnotes.measure.metrics import bootstrap_ci
+from probes.parts.common import ci_dict
 
 
 def test_report_and_summary_share_one_bootstrap():

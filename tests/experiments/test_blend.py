@@ -1,4 +1,4 @@
-"""Cache blending: selection rules (kvnotes.blend), experiment `blend` on a tiny model with the real
+"""Cache blending: selection rules (kvnotes.compose.blend), experiment `blend` on a tiny model with the real
 llama tokenizer (skills, memory notes, the LoCoMo fixture), kvboost's output parsing, the figure.
 
 Exactness anchors: recomputing every block token (CacheBlend at r = 1) is a full prefill; seam
@@ -16,10 +16,10 @@ from hydra import compose, initialize_config_dir
 from tolerances import ATOL_FP32
 
 import runner.main as runner
-from kvnotes import blend
-from kvnotes import compose as kcompose
-from kvnotes import run as krun
-from kvnotes.blend import Layout, Method
+from kvnotes.compose import blend
+from kvnotes.compose import splice as kcompose
+from kvnotes.compose.blend import Layout, Method
+from kvnotes.engine import run as krun
 from kvnotes.models import wrap_model
 from kvnotes.models.tiny import tiny_model
 from runner.config import ConfigError, validate
@@ -55,7 +55,7 @@ def layout(tok, texts=("ab, cd.\nef gh\n", "ij kl;\nmn. op qr st\n", "uv wx\nyz"
     return Layout(enc("System: notes.\n"), tuple(enc(t) for t in texts), enc("\nQ: which? A:"))
 
 
-# --- kvnotes.blend --------------------------------------------------------------------------------
+# --- kvnotes.compose.blend --------------------------------------------------------------------------------
 
 
 def test_layout_and_budget_rules():
@@ -137,11 +137,11 @@ def test_key_deviation_is_zero_where_nothing_is_stale(tiny):
 
 
 def test_prefill_at_matches_a_rotation(tiny):
-    from kvnotes import rope
+    from kvnotes.engine import rope
 
     ids = [5, 9, 11, 40, 3]
     moved = rope.reposition(tiny, krun.prefill(tiny, ids).cache, 17)
-    assert blend.prefill_at(tiny, ids, 17).max_abs_diff(moved) <= ATOL_FP32
+    assert krun.prefill_at(tiny, ids, 17).max_abs_diff(moved) <= ATOL_FP32
 
 
 # --- experiment blend ------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_config_validates_and_refuses_bad_values():
 
 def test_a_missing_locomo_file_fails_before_any_work(tmp_path, model, monkeypatch):
     from experiments import blend as exp
-    from kvnotes import verify
+    from kvnotes.compose import verify
 
     monkeypatch.setattr(verify, "verify", lambda *a, **k: pytest.fail("verification ran"))
     with pytest.raises(ConfigError, match="locomo_path"):
@@ -257,7 +257,7 @@ def test_frontier_prefers_the_cheaper_method_on_a_tie():
 
 def test_no_go_stops_the_run_unless_forced(tmp_path, model, monkeypatch):
     from experiments import blend as exp
-    from kvnotes import verify
+    from kvnotes.compose import verify
 
     bad = verify.Report("tiny-llama", "llama", "float32", True, verify.THRESHOLDS["float32"],
                         reasons=["rope offset_rel 1.0e+00 > 0.001"])

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import experiments.distance as distance
 import runner.main as runner
-from kvnotes.metrics import wilson_ci
+from kvnotes.measure.metrics import wilson_ci
 from kvnotes.models import budget
 from runner.config import ConfigError
 

@@ -580,13 +580,13 @@ def test_config_refuses_bad_values():
 
 
 def test_served_dtype_auto_is_bf16_only_where_the_device_has_native_bf16(monkeypatch):
-    import kvnotes.timing
+    import kvnotes.measure.timing
 
     ctx = SimpleNamespace(model=SimpleNamespace(dtype=torch.float32, device=torch.device("cpu")))
     auto = exp.ServingConfig(length=1000, max_model_len=2048)
     assert auto.dtype == "auto"  # the default
     for native, want in ((False, "float32"), (True, "bfloat16")):
-        monkeypatch.setattr(kvnotes.timing, "native_bf16", lambda dev, native=native: native)
+        monkeypatch.setattr(kvnotes.measure.timing, "native_bf16", lambda dev, native=native: native)
         assert exp.served_dtype(ctx, auto) == want  # type: ignore[arg-type]
     set_ = exp.ServingConfig(length=1000, max_model_len=2048, dtype="bfloat16")
     assert exp.served_dtype(ctx, set_) == "bfloat16"  # type: ignore[arg-type]

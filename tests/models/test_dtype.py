@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-import kvnotes.timing as timing
+import kvnotes.measure.timing as timing
 from kvnotes.models import resolve_dtype
 from kvnotes.models.registry import get_spec
 

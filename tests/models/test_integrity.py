@@ -293,7 +293,8 @@ def test_unsupported_family_by_path_lists_the_families(tmp_path):
 def test_blocks_are_refused_under_other_weights_of_the_same_registered_model(fake, tmp_path):
     """Two conversions under one registry pin but with other weights: a block from one is refused
     by the other, since blocks name the digest of the files loaded, not the pin."""
-    from kvnotes import compose, store
+    from kvnotes.compose import splice as compose
+    from kvnotes.compose import store
 
     _convert_tiny(fake, tmp_path / "a", seed=0)
     _convert_tiny(fake, tmp_path / "b", seed=1)

@@ -1,4 +1,4 @@
-"""kvnotes.interp's batched interventions against their references, on tiny models of several families.
+"""kvnotes.engine.interp's batched interventions against their references, on tiny models of several families.
 
 hide_keys: no hidden key is the plain forward; hiding only the key just before the decision is
 the decision-only knockout (no other query comes after it). patch_heads_at_tail: equal to the
@@ -8,11 +8,12 @@ nnsight head patch of the whole prompts; all heads patched at the last token is 
 import pytest
 import torch
 
-from kvnotes import interp, tasks
+from kvnotes import tasks
+from kvnotes.edit.patching import make_pair
+from kvnotes.engine import interp
+from kvnotes.engine.run import full_logits
+from kvnotes.engine.variants import read_variants
 from kvnotes.models.tiny import tiny_model
-from kvnotes.patching import make_pair
-from kvnotes.run import full_logits
-from kvnotes.variants import read_variants
 
 FAMILIES = ["llama", "gemma2", "mistral"]  # gemma2 / mistral: sliding windows shorter than the prompt
 

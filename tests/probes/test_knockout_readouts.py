@@ -10,7 +10,7 @@ import pytest
 from kvnotes import tasks
 from kvnotes.models.tiny import tiny_model
 from probes import knockout
-from probes._readouts import paired_difference, per_item, proportion, reversion_stats
+from probes.parts.readouts import paired_difference, per_item, proportion, reversion_stats
 
 
 def test_reversion_stats_separate_reverting_from_overshooting_and_moving_away():

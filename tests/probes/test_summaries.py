@@ -1,4 +1,4 @@
-"""probes._common and the patching summary: intervals over items, Wilson proportions, the margin
+"""probes.parts.common and the patching summary: intervals over items, Wilson proportions, the margin
 rule stamped on records, the one-line reading, and the one line printed when nothing is usable."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ import dataclasses
 
 import pytest
 
-from kvnotes import metrics, tasks
-from kvnotes.metrics import bootstrap_ci
+from kvnotes import tasks
+from kvnotes.measure import metrics
+from kvnotes.measure.metrics import bootstrap_ci
 from kvnotes.models.registry import get_spec
 from kvnotes.models.tiny import tiny_model
-from probes import _common
 from probes import patching as locality
+from probes.parts import common as _common
 from runner.rundir import summary_table
 
 
@@ -108,7 +109,7 @@ def test_timings_are_a_min_max_range_and_the_table_calls_them_that():
 
 
 def test_edit_summary_uses_wilson_for_p_correct_and_a_range_for_time():
-    from experiments.edit import summarize_states
+    from experiments.shared.edits import summarize_states
 
     rows = [{"item_id": f"i{i}", "strategy": "erratum", "usable_p_correct": True, "usable_recovery": True,
              "correct": True, "recovery": 1.0, "recompute_fraction": 0.1, "time_ratio": 0.2 + 0.01 * i,

@@ -22,7 +22,7 @@ import yaml
 from hydra import compose
 from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
-import kvnotes.compose
+import kvnotes.compose.splice
 import runner.main as runner
 from runner import rundir as output
 from runner.config import ConfigError
@@ -31,7 +31,7 @@ from runner.rundir import RecordWriter, RunDirError, RunLock
 
 def interrupted_run(results: Path, monkeypatch) -> Path:
     """A run dir whose first attempt stopped after one of three blocks (status interrupted)."""
-    real = kvnotes.compose.self_check
+    real = kvnotes.compose.splice.self_check
     calls = []
 
     def flaky(*args, **kwargs):
@@ -40,7 +40,7 @@ def interrupted_run(results: Path, monkeypatch) -> Path:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvnotes.compose, "self_check", flaky)
+    monkeypatch.setattr(kvnotes.compose.splice, "self_check", flaky)
     with pytest.raises(KeyboardInterrupt):
         runner.run(selfcheck_cfg(results))
     monkeypatch.undo()

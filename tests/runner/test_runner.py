@@ -16,7 +16,7 @@ from hydra import compose
 from omegaconf import OmegaConf
 from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
 
-import kvnotes.compose
+import kvnotes.compose.splice
 import runner.context as runner_context
 import runner.main as runner
 from kvnotes.models import WeightsError
@@ -85,7 +85,7 @@ def test_selfcheck_end_to_end(tmp_path):
 
 
 def test_interrupted_run_resumes_and_skips_done_units(tmp_path, monkeypatch):
-    real = kvnotes.compose.self_check
+    real = kvnotes.compose.splice.self_check
     calls = []
     interrupt_at = {2}  # the second call of the first attempt, once
 
@@ -96,7 +96,7 @@ def test_interrupted_run_resumes_and_skips_done_units(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvnotes.compose, "self_check", flaky)
+    monkeypatch.setattr(kvnotes.compose.splice, "self_check", flaky)
     with pytest.raises(KeyboardInterrupt):
         runner.run(selfcheck_cfg(tmp_path))
     (first,) = (tmp_path / "selfcheck" / "tiny-llama").iterdir()
@@ -119,7 +119,7 @@ def _failed_run(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(kvnotes.compose, "self_check", broken)
+    monkeypatch.setattr(kvnotes.compose.splice, "self_check", broken)
     with pytest.raises(RuntimeError):
         runner.run(selfcheck_cfg(tmp_path))
     monkeypatch.undo()
@@ -165,7 +165,7 @@ def test_failed_summary_keeps_units_for_the_rerun(tmp_path, monkeypatch):
         runner.run(selfcheck_cfg(tmp_path))
     monkeypatch.undo()
     calls = []
-    monkeypatch.setattr(kvnotes.compose, "self_check", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(kvnotes.compose.splice, "self_check", lambda *a, **k: calls.append(1))
     run_dir = runner.run(selfcheck_cfg(tmp_path))
     assert calls == [] and read(run_dir / "summary.json")["n_records"] == 9
 
@@ -216,8 +216,8 @@ def test_probe_dispatch_in_units_with_resume(tmp_path, monkeypatch):
 
 
 def test_a_job_logs_its_memory_estimate_and_refuses_what_cannot_fit(tmp_path, monkeypatch):
-    from kvnotes import timing
-    from kvnotes.timing import MemoryBudgetError
+    from kvnotes.measure import timing
+    from kvnotes.measure.timing import MemoryBudgetError
 
     seen = []
     entry = registry.Entry("fake", "probe", lambda m, items, c: seen.append(1) or [], None, None, "")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvnotes.run import full_logits
+from kvnotes.engine.run import full_logits
 from kvnotes.tasks import build_suite, score_items, select_usable, summarize
 from kvnotes.tasks.scoring import ItemScore
 from kvnotes.tasks.validate import record, usable_ids

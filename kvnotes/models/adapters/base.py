@@ -13,6 +13,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from kvnotes.models.rope_types import check_rope_type
+
 # Sizes every family's tiny random config shares (`tiny_config`, kvnotes.models.tiny): 4 layers,
 # d=64, grouped-query attention (4 query heads over 2 kv heads), a 256-id vocabulary.
 TINY_COMMON: dict[str, Any] = dict(
@@ -108,8 +110,6 @@ class FamilyAdapter:
         YaRN and friends fold `attention_scaling` into cos and sin; a pure rotation must not carry
         it, so it is divided out here (rotating twice would otherwise scale keys twice).
         """
-        from kvnotes.rope import check_rope_type  # lazy: kvnotes.rope imports kvnotes.models
-
         params = self.rope_parameters(model, layer)  # dynamic, longrope, partial: refused
         check_rope_type(str(params.get("rope_type", "default")), layer,
                         float(params.get("partial_rotary_factor", 1.0)))

@@ -87,7 +87,7 @@ class KVCache:
         if any(getattr(layer, "is_sliding", False) for layer in layers):
             raise ValueError(
                 "this DynamicCache has sliding-window layers, which keep only the last window "
-                "(cache index != position); build caches with kvnotes.run.prefill instead"
+                "(cache index != position); build caches with kvnotes.engine.run.prefill instead"
             )
         return cls(tuple(layer.keys for layer in layers), tuple(layer.values for layer in layers))
 
@@ -196,7 +196,7 @@ def patch(
     )
 
 
-# --- buffers a forward writes into (kvnotes.run) -------------------------------------------
+# --- buffers a forward writes into (kvnotes.engine.run) -------------------------------------------
 
 
 @functools.cache

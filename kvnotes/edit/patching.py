@@ -5,7 +5,7 @@ prompt (without its last token), the *oracle* a prefill of the new one. A patche
 the oracle's K/V at chosen positions and layers and the stale K/V elsewhere; the last prompt
 token then runs against it and the decision score is read. recovery = (score - stale) /
 (oracle - stale): 0 behaves like the old prompt, 1 like the new. Many states of one item are read
-in one batched call (kvnotes.variants.read_variants), never by materialising patched caches.
+in one batched call (kvnotes.engine.variants.read_variants), never by materialising patched caches.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes.cache import KVCache, cat
-from kvnotes.metrics import recovery
+from kvnotes.engine.cache import KVCache, cat
+from kvnotes.engine.run import extend, prefill
+from kvnotes.engine.variants import read_variants
+from kvnotes.measure.metrics import recovery
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill
 from kvnotes.tasks.item import TaskItem
-from kvnotes.variants import read_variants
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,7 @@ class PatchPair:
 
 
 def scores_from_logits(item: TaskItem, logits: Float[Tensor, "n vocab"]) -> np.ndarray:
-    pos, neg = item.score_ids
-    return (logits[:, pos].float() - logits[:, neg].float()).cpu().numpy().astype(np.float64)
+    return item.decision_score(logits).cpu().numpy().astype(np.float64)
 
 
 def make_pair(model: LoadedModel, item: TaskItem) -> PatchPair:

@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from kvnotes.cache import KVCache
+from kvnotes.engine.cache import KVCache
 
 NAME = "kvnotes_variants"
 
@@ -58,7 +58,7 @@ def _patched_attention(
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     if kvnotes_variants is None:
-        raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.variants.read_variants)")
+        raise RuntimeError(f"the {NAME} attention needs kvnotes_variants (use kvnotes.engine.variants.read_variants)")
     var = kvnotes_variants
     layer_idx: Any = getattr(module, "layer_idx")
     layer = int(layer_idx)

@@ -19,13 +19,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from kvnotes.cache import KVCache, patch
+from kvnotes.engine.cache import KVCache, patch
+from kvnotes.engine.run import early_keys, extend, prefill, recompute_extend
+from kvnotes.engine.variants import read_variants
+from kvnotes.measure.timing import timed
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import early_keys, extend, prefill, recompute_extend
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.tokens import encode
-from kvnotes.timing import timed
-from kvnotes.variants import read_variants
 
 ERRATA: dict[str, str] = {
     "explicit": "[STATE UPDATE] {field} has changed to {value}; this overrides any earlier value. "
@@ -75,7 +75,7 @@ Built = tuple[Tensor, int, tuple[int, ...], KVCache]  # logits, recomputed, ids,
 
 
 def _timed(fn: Callable[[], Built], name: str, total: int, device: torch.device) -> EditState:
-    """Build a state with its wall time, the device synchronised at both ends (kvnotes.timing)."""
+    """Build a state with its wall time, the device synchronised at both ends (kvnotes.measure.timing)."""
     with timed(device) as t:
         logits, recomputed, ids, cache = fn()
     return EditState(name, logits, recomputed, total, t.seconds, ids, cache)
@@ -218,8 +218,7 @@ class Editor:
         variants = [[], list(range(self.stale.seq_len)), *[[p] for p in down]]
         logits = read_variants(self.model, self.stale, self.oracle_cache, variants, self.tail,
                                batch_size=batch_size)[:, -1].float()
-        a, b = self.item.score_ids
-        score = logits[:, a] - logits[:, b]
+        score = self.item.decision_score(logits)
         stale, oracle = score[0], score[1]
         effect = (score[2:] - stale) * (1.0 if oracle >= stale else -1.0)
         return [down[i] for i in torch.argsort(effect, descending=True, stable=True).tolist()]

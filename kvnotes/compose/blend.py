@@ -39,8 +39,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from kvnotes import compose, run
-from kvnotes.cache import KVCache
+from kvnotes.compose import splice as compose
+from kvnotes.engine import run
+from kvnotes.engine.cache import KVCache
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.tokens import is_aggregator
 
@@ -241,15 +242,3 @@ def build(
     else:
         chosen = note_positions(model.tokenizer, layout, method.setting, method.seam)
     return Built(run.recompute(model, naive, layout.context, chosen), len(chosen), checked)
-
-
-def prefill_at(model: LoadedModel, ids: Sequence[int], start: int) -> KVCache:
-    """K/V of `ids` prefilled alone at positions start.. (the reference a rotation by `start` of
-    the block prefilled at 0 must match). A new engine primitive: `run` prefills from 0 only."""
-    from transformers import DynamicCache
-
-    x = run.as_ids(model, list(ids))
-    pos = torch.arange(start, start + x.shape[1], device=model.device)[None]
-    with torch.inference_mode():
-        out = model.hf(input_ids=x, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
-    return KVCache.from_dynamic(out.past_key_values)

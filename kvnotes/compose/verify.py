@@ -1,7 +1,7 @@
 """Per-model go / no-go for composition: can cached keys be moved by one rotation here, and does a
 transplant with seam repair stay close to a full prefill?
 
-1. Facts relied on: every layer's rope type and scaling (only kvnotes.rope.STATIC_ROPE_TYPES
+1. Facts relied on: every layer's rope type and scaling (only kvnotes.models.rope_types.STATIC_ROPE_TYPES
    can be re-rotated), the attention scaling divided out, and the sliding windows (with whether
    the probe prompts outrun them, so that the masks were exercised).
 2. RoPE: relative key error e = max|a - b| / max|b| over layers of a round trip (rotate by +d
@@ -15,8 +15,8 @@ Go when every fact is supported, both rope errors and both exactness diffs are w
 dtype's THRESHOLDS and (real weights only: a random tiny model has no fidelity to judge) the mean
 cosine at the largest K reaches `cosine`. `require_go` is the gate a transplant caller uses.
 
-    python -m kvnotes.verify llama [--dtype float32] [--probes 4] [--json out.json]
-    python -m kvnotes.verify --all        # every registered model; tiny configs for hub-only ones
+    python -m kvnotes.compose.verify llama [--dtype float32] [--probes 4] [--json out.json]
+    python -m kvnotes.compose.verify --all        # every registered model; tiny configs for hub-only ones
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from kvnotes import compose, rope, run
-from kvnotes.blend import Layout, prefill_at
-from kvnotes.metrics import kl_divergence, logit_cosine, top1_agree
+from kvnotes.compose import splice as compose
+from kvnotes.compose.blend import Layout
+from kvnotes.engine import rope, run
+from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 from kvnotes.models.loading import LoadedModel
 from kvnotes.models.weights import WeightsError
 
@@ -175,7 +176,7 @@ def rope_errors(model: LoadedModel, block: tuple[int, ...], deltas: list[int]) -
     for d in deltas:
         moved = rope.reposition(model, alone, d)
         back = rope.reposition(model, moved, -d)
-        at = prefill_at(model, block, d)
+        at = run.prefill_at(model, block, d)
         trip = max(trip, *(_rel(a, b) for a, b in zip(back.keys, alone.keys)))
         off = max(off, *(_rel(a, b) for a, b in zip(moved.keys, at.keys)))
     return {"roundtrip_rel": trip, "offset_rel": off, "deltas": deltas}
@@ -294,7 +295,7 @@ def _targets() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvnotes.verify", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m kvnotes.compose.verify", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="a registered model name, or tiny-<family>")
     p.add_argument("--all", action="store_true", help="every registered model (tiny configs for hub-only families)")

@@ -1,10 +1,11 @@
 """What every cache probe shares: item usability by margin, record stamping, summaries with CIs.
 
-Intervals: means get the percentile bootstrap of kvnotes.metrics (rows of one item, such as
+Intervals: means get the percentile bootstrap of kvnotes.measure.metrics (rows of one item, such as
 random draws or positions, averaged per item first, so n counts items); 0/1 outcomes get a
 Wilson interval (`prop_dict`). An item is usable when |score_new - score_old| >= the model's
-margin; the summary states the margin and the rule it came from (kvnotes.margins), and when no
-item is usable it says so in one line with what to try.
+margin; the summary states the margin and the rule it came from (kvnotes.measure.margins), and when no
+item is usable it says so in one line with what to try. Beside them, the small readouts several
+probes use: layer bands, the prompt segment of a position, the decision token's attention.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvnotes import margins
-from kvnotes.metrics import ci_dict
+import torch
+
+from kvnotes.edit.patching import PatchPair, make_pair
+from kvnotes.engine.variants import read_variants
+from kvnotes.measure import margins
+from kvnotes.measure.metrics import ci_dict
 from kvnotes.models import LoadedModel
-from kvnotes.patching import PatchPair, make_pair
 from kvnotes.tasks.item import TaskItem
 
 
@@ -59,7 +63,7 @@ def run_pairs(
 
 def margin_rule(model: LoadedModel, margin: float | None) -> str:
     """Where the margin came from, in words: the probe's own setting, or the model's (derived
-    by the rule of kvnotes.margins, or set by hand)."""
+    by the rule of kvnotes.measure.margins, or set by hand)."""
     if margin is not None:
         return f"set by the probe config (probe.margin={float(margin):g})"
     if model.spec is None:
@@ -131,3 +135,24 @@ def curve(records: Sequence[Mapping[str, Any]], condition: str, x: str,
     rows = [r for r in records if r.get("condition") == condition]
     xs = sorted({r[x] for r in rows})
     return [{x: v, **_per_item([r for r in rows if r[x] == v], "recovery", n_boot)} for v in xs]
+
+
+def bands(n_layers: int) -> dict[str, list[int]]:
+    """Early / mid / late thirds of the layers, and all of them."""
+    third = [round(i * n_layers / 3) for i in range(4)]
+    names = ("early", "mid", "late")
+    out = {n: list(range(third[i], third[i + 1])) for i, n in enumerate(names)}
+    out["all"] = list(range(n_layers))
+    return out
+
+
+def segment_of(item: TaskItem, pos: int) -> str:
+    return next((name for name, (a, b) in item.segments.items() if a <= pos < b), "other")
+
+
+def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:
+    """The decision token's attention weights on the new cache: [layer, head, cached pos]."""
+    cap: list[dict[int, torch.Tensor]] = []
+    read_variants(model, pair.new, pair.new, [[]], pair.tail, capture=cap)
+    w = cap[0]
+    return torch.stack([w[layer][0, :, -1, : pair.n_cached] for layer in range(model.n_layers)])

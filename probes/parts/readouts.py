@@ -1,6 +1,6 @@
 """Summary readouts shared by the knockout, scrub and split probes: proportions, signed reversion.
 
-A proportion k/n carries a Wilson interval (kvnotes.metrics.wilson_ci), never a zero-width one.
+A proportion k/n carries a Wilson interval (kvnotes.measure.metrics.wilson_ci), never a zero-width one.
 A signed reversion r = (oracle - score) / (oracle - stale) is summarised as a distribution, not
 as "r > 0.5": its median, the share that reverts (0.5 <= r <= 1.5), the share that overshoots
 past the stale score (r > 1.5) and the share that moves away from it (r < 0). Random draws of an
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.metrics import ci_dict, wilson_ci
+from kvnotes.measure.metrics import ci_dict, wilson_ci
 
 REVERTED = (0.5, 1.5)  # a reversion in this band counts as "reverted"; above it: overshoot
 

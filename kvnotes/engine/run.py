@@ -1,11 +1,12 @@
-"""The one place that runs the model forward against a cache.
+"""The one owner of a model's forward: every forward of kvnotes runs in `kvnotes.engine`, and the
+attention implementation is switched here only (`attention_impl`).
 
 A forward pass with a transformers `DynamicCache` extends that cache in place; here every call
 copies the immutable `KVCache` once into fresh per-layer buffers with room for the new tokens
 (a `DynamicCache` of `Slots` layers, whose update writes into that room), passes explicit
 position ids, and returns a new `KVCache` over the buffers. So prefill(ids[:n]) followed by
 extend(ids[n:]) is the full forward, and nothing leaks to callers. Families that run SDPA
-attend through `kvnotes.causal` (no explicit mask where causality suffices); a recompute of
+attend through `kvnotes.engine.causal` (no explicit mask where causality suffices); a recompute of
 arbitrary positions passes its own mask and writes its K/V in place, into the same buffers.
 `extend_into` runs a forward into buffers the caller already holds (no copy): a decode loop, and
 the TTFT limit, which must not pay for a copy of the cache that a server keeps in place.
@@ -22,8 +23,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from kvnotes import causal
-from kvnotes.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
+from kvnotes.engine import causal
+from kvnotes.engine.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
 from kvnotes.models.loading import LoadedModel
 
 Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor | str
@@ -52,8 +53,9 @@ def as_ids(model: LoadedModel, ids: Ids, bos: bool = False) -> Int[Tensor, "batc
 
 
 @contextmanager
-def _attention(model: LoadedModel, name: str) -> Iterator[None]:
-    """Run the model with the attention implementation `name` for one call (restored after)."""
+def attention_impl(model: LoadedModel, name: str) -> Iterator[None]:
+    """Run the model with the attention implementation `name` for one call (restored after): the
+    one switch of the attention implementation on the model's shared config."""
     cfg: Any = model.hf.config
     saved = cfg._attn_implementation
     cfg._attn_implementation = name
@@ -73,7 +75,7 @@ def _forward(
 ) -> Any:
     """One forward of `x` at `positions` into `past`; `logits_to_keep=None` skips the LM head.
 
-    SDPA families attend through kvnotes.causal (no mask built unless `mask` is given); eager
+    SDPA families attend through kvnotes.engine.causal (no mask built unless `mask` is given); eager
     ones (soft-capping) get transformers' own causal mask from the cache sizes.
     """
     net = model.hf if logits_to_keep is not None else model.adapter.decoder(model.hf)
@@ -85,7 +87,7 @@ def _forward(
         if mask is None:
             mask = torch.ones(x.shape[0], past.get_seq_length() + x.shape[1], dtype=torch.long, device=x.device)
         return net(attention_mask=mask, **kw)
-    with _attention(model, causal.register()):
+    with attention_impl(model, causal.register()):
         return net(attention_mask=mask, **{causal.MEMO: {}}, **kw)
 
 
@@ -329,3 +331,27 @@ def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch
         handle.remove()
     keys: Tensor = getattr(past.layers[layer], "keys")
     return keys
+
+
+@torch.inference_mode()
+def prefill_at(model: LoadedModel, ids: Ids, start: int) -> KVCache:
+    """K/V of `ids` prefilled alone at positions start.. (the reference a rotation by `start` of
+    the block prefilled at 0 must match); `prefill` starts at position 0."""
+    from transformers import DynamicCache
+
+    x = as_ids(model, ids)
+    pos = torch.arange(start, start + x.shape[1], device=model.device)[None]  # [1, pos]
+    out = model.hf(input_ids=x, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
+    return KVCache.from_dynamic(out.past_key_values)
+
+
+@torch.inference_mode()
+def generate(model: LoadedModel, cache: KVCache, ids: Ids, max_new_tokens: int, **kwargs: Any) -> Any:
+    """transformers' `generate` continuing `ids` after `cache` (a `DynamicCache` copy of it, so
+    `cache` is unchanged); `kwargs` pass through (sampling, `num_return_sequences`, ...)."""
+    x = as_ids(model, ids)
+    return model.hf.generate(  # type: ignore[operator]
+        input_ids=x, attention_mask=torch.ones_like(x),
+        past_key_values=cache.to(device=model.device).to_dynamic(),
+        max_new_tokens=max_new_tokens, **kwargs,
+    )

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from kvnotes.cache import KVCache
-from kvnotes.compose import Block
-from kvnotes.models.loading import LoadedModel
+from kvnotes.compose.splice import Block
+from kvnotes.engine.cache import KVCache
+from kvnotes.models.loading import LoadedModel, weights_id
 
 FORMAT = "kvnotes-block/3"  # /1 had no content checksum; /2 a sha256 (still read)
 READABLE = ("kvnotes-block/2", FORMAT)
@@ -46,24 +46,6 @@ class BlockMismatchError(StoreError):
 
 class BlockDamagedError(StoreError):
     """The block's content differs from what was saved (its checksum does not match)."""
-
-
-def weights_id(model: LoadedModel) -> str:
-    """What identifies the loaded weights: `model.checksum`, else a fingerprint of the parameters.
-
-    `load_model` sets the checksum from what it loaded: the sha256 digest of a packaged model's
-    converted files (checked against their record at load) or a hub checkpoint's commit. The
-    fingerprint, for a wrapped or local model, hashes every parameter's name, shape, dtype and
-    first 4096 values, which is cheap at any model size and tells two random initialisations apart.
-    """
-    if model.checksum:
-        return str(model.checksum)
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in model.hf.named_parameters():
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return "fingerprint:" + h.hexdigest()
 
 
 def rope_signature(model: LoadedModel) -> str:

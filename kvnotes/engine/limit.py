@@ -1,6 +1,6 @@
 """The time-to-first-token limit: the question forwarded against an already cached context.
 
-Timed only through `kvnotes.run.extend`, the limit would carry our own per-call costs (buffers,
+Timed only through `kvnotes.engine.run.extend`, the limit would carry our own per-call costs (buffers,
 masks) and flatter whatever is compared with it. Timed only through transformers it carries
 transformers' costs instead: with a mask and more than one query token, its SDPA path expands
 grouped keys and values to every query head (`repeat_kv`), a copy of the whole cache times the
@@ -9,7 +9,7 @@ engine's forward of the seam *and* the question. Both of those also copy the who
 (`DynamicCache.update` concatenates; `run.extend` copies into buffers with room), which a server
 holding the context in place does not do. So three paths are timed side by side:
 `bare_forward` here (a transformers forward over a `DynamicCache` filled by its own `update`;
-nothing of kvnotes on the path), `kvnotes.run.extend`, and `kvnotes.run.extend_into` over
+nothing of kvnotes on the path), `kvnotes.engine.run.extend`, and `kvnotes.engine.run.extend_into` over
 buffers that already hold the context with room for the question (`inplace`: no copy). The limit
 is the fastest of them (`fastest`), with the path named. A forward extends a DynamicCache in
 place, so build a fresh one (untimed) before every timed call; `extend_into` overwrites the same
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvnotes.cache import KVCache
+from kvnotes.engine.cache import KVCache
 from kvnotes.models.loading import LoadedModel
 
 

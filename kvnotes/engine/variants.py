@@ -2,8 +2,9 @@
 
 `read_variants` runs one continuation after each of many variants of a base cache (K/V at some
 positions taken from a source cache; optionally keys hidden from the tail), in batches, through
-the `kvnotes.attention` implementation: equal to extending each materialised patched cache, at a
-fraction of the memory and time. Split from kvnotes.run, which holds the forwards over one cache.
+the `kvnotes.engine.attention` implementation: equal to extending each materialised patched cache, at a
+fraction of the memory and time. One room of the engine beside `run`, which holds the forwards
+over one cache.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from kvnotes import attention
-from kvnotes.cache import KVCache
+from kvnotes.engine import attention
+from kvnotes.engine.cache import KVCache
+from kvnotes.engine.run import Ids, as_ids, attention_impl
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import Ids, as_ids
 
 
 def check_positions(positions: Sequence[int] | Tensor, n: int) -> None:
@@ -33,7 +34,7 @@ def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
     """How many variants `read_variants` runs at once: `fraction` of the free memory over an
     estimate of one variant's working set (fp32 scores and weights of the tail over the cache in
     one layer, about 8 copies; the patched K/V gathered; the tail's hidden states and logits)."""
-    from kvnotes.timing import available_bytes
+    from kvnotes.measure.timing import available_bytes
 
     cfg = model.config
     heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
@@ -62,7 +63,7 @@ def read_variants(
     """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
 
     Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i, without
-    building the patched caches (see kvnotes.attention). Knockout: `key_mask[i, p]` hides cached
+    building the patched caches (see kvnotes.engine.attention). Knockout: `key_mask[i, p]` hides cached
     key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
     `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
     `batch_size` variants run at once (None: as many as half the free memory holds). `vocab`:
@@ -84,12 +85,9 @@ def read_variants(
         chosen = None if layers is None else layers[i]
         lay[i, list(range(L)) if chosen is None else list(chosen)] = True
     name = attention.register()
-    cfg: Any = model.hf.config
-    saved = cfg._attn_implementation
     base_d, src_d = base.to(device=model.device), src.to(device=model.device)
     out = []
-    try:
-        cfg._attn_implementation = name
+    with attention_impl(model, name):
         for s in range(0, n, batch_size):
             b = min(batch_size, n - s)
             sl = slice(s, s + b)
@@ -111,8 +109,6 @@ def read_variants(
                 out.append(logits_of(model, hidden, vocab))
             if capture is not None and var.capture is not None:
                 capture.append(var.capture)
-    finally:
-        cfg._attn_implementation = saved
     return torch.cat(out, dim=0)
 
 

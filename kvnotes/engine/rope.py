@@ -5,7 +5,8 @@ R(p + delta) = R(delta) R(p): a key cached at position p moves to p + delta with
 rotation by delta, whatever p was. cos/sin come from the model's rotary module (its inverse
 frequencies, llama3 or linear scaling, Gemma 3's per-layer-type bases) in fp32, with YaRN's
 `attention_scaling` divided out so the rotation stays a pure rotation. That identity needs
-frequencies that do not depend on the sequence: rope types outside `STATIC_ROPE_TYPES` (dynamic
+frequencies that do not depend on the sequence: rope types outside
+`kvnotes.models.rope_types.STATIC_ROPE_TYPES` (dynamic
 NTK, longrope, anything newer) and partial rotary are refused with `UnsupportedRopeError`
 instead of being rotated wrongly (longrope switches to its long factors past
 original_max_position_embeddings, so a key moved there from a short block is off by ~1).
@@ -19,36 +20,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from kvnotes.cache import KVCache
+from kvnotes.engine.cache import KVCache
 from kvnotes.models.loading import LoadedModel
-
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed once: R(p+d) = R(d)R(p)
-_WHY = {
-    "dynamic": "dynamic NTK recomputes its frequencies from the sequence length",
-    "longrope": "longrope switches from its short to its long factors once a sequence passes "
-                "original_max_position_embeddings, so a key rotated by delta from a short block "
-                "does not match the key computed in the long context",
-}
-
-
-class UnsupportedRopeError(NotImplementedError):
-    """A rope variant whose cached keys cannot be moved exactly by one rotation."""
-
-
-def check_rope_type(rope_type: str, layer: int | None = None, partial_rotary_factor: float = 1.0) -> None:
-    """Refuse, with the reason, every rope variant a delta rotation would get silently wrong."""
-    where = "" if layer is None else f" (layer {layer})"
-    if rope_type not in STATIC_ROPE_TYPES:
-        why = _WHY.get(rope_type, "kvnotes has not verified that its frequencies are static")
-        raise UnsupportedRopeError(
-            f"rope_type {rope_type!r}{where} is not supported for re-rotating cached keys: {why}. "
-            f"Supported: {', '.join(STATIC_ROPE_TYPES)}; `python -m kvnotes.verify MODEL` checks a model."
-        )
-    if partial_rotary_factor != 1.0:
-        raise UnsupportedRopeError(
-            f"partial rotary (factor {partial_rotary_factor}){where} is not supported for "
-            "re-rotating cached keys"
-        )
+from kvnotes.models.rope_types import UnsupportedRopeError, check_rope_type
 
 
 def rope_facts(model: LoadedModel) -> list[dict[str, Any]]:

@@ -4,9 +4,9 @@ Prefill a prompt once; when a value changes (an account role, an order status), 
 bring the cache up to date: `erratum` appends an update line (the prefix and its cache stay
 byte-identical, as a serving prefix cache wants), `field_only` rewrites the value's own K/V
 (cheap, and mostly ignored by the model: its conclusions live in later note tokens),
-`selective` also recomputes the K most-attended note positions, `full_downstream` recomputes
+`selective_recompute_att` (or `selective`) also recomputes the K most-attended note positions, `full_downstream` recomputes
 everything from the value on, `oracle` re-prefills. `transplant` splices precompiled blocks (from
-`kvnotes.compose` or the store) into the prompt, each rotated to where it lands, its first `seam`
+`kvnotes.compose.splice` or the store) into the prompt, each rotated to where it lands, its first `seam`
 tokens recomputed (seam = block length is exact). The result works with `model.generate` and,
 through `cache.to_dynamic()`, with nnsight:
 
@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 
-from kvnotes.cache import KVCache
-from kvnotes.compose import Block, transplant
-from kvnotes.edit_strategies import ERRATA
+from kvnotes.compose.splice import Block, transplant
+from kvnotes.edit import registry
+from kvnotes.edit.strategies import ERRATA
+from kvnotes.engine.cache import KVCache
+from kvnotes.engine.run import extend, generate, prefill, recompute
+from kvnotes.engine.variants import read_variants
+from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import extend, prefill, recompute
-from kvnotes.variants import read_variants
 
-STRATEGIES = ("erratum", "field_only", "selective", "full_downstream", "oracle")
 BlockLike = Block | str | os.PathLike[str]  # a block, or the path of a stored one
 
 
@@ -62,14 +63,9 @@ class EditResult:
         Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
         `temperature`, `top_p`, a `generation_config`, ...).
         """
-        x = torch.tensor([self.ids], device=self.model.device)
         gen = {"do_sample": False, **kwargs}
-        out = self.model.hf.generate(  # type: ignore[operator]
-            input_ids=x, attention_mask=torch.ones_like(x),
-            past_key_values=self.cache.to(device=self.model.device).to_dynamic(),
-            max_new_tokens=max_new_tokens, **gen,
-        )
-        return str(self.model.tokenizer.decode(out[0, x.shape[1]:], skip_special_tokens=True))
+        out = generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
+        return str(self.model.tokenizer.decode(out[0, len(self.ids):], skip_special_tokens=True))
 
 
 class EditableCache:
@@ -107,8 +103,10 @@ class EditableCache:
         `field` names the value in the erratum (default: the text before `old` on its line, e.g.
         'account_role'); `insert_before` places the erratum before that text (default: the end).
         """
-        if strategy not in STRATEGIES:
-            raise EditError(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+        try:  # the strategies offered on a prompt: kvnotes.edit.registry, on_prompt=True
+            strategy = registry.get(strategy, on_prompt=True).name
+        except ConfigError as e:
+            raise EditError(str(e)) from None
         at = self._locate(old)
         if strategy == "erratum":
             return self._erratum(at, old, new, field, wording, insert_before)
@@ -166,13 +164,13 @@ class EditableCache:
                    insert_before: str | None = None) -> EditResult:
         """The prompt with precompiled blocks spliced in before `insert_before` (default: the end).
 
-        Blocks (or paths of stored ones, checked by `kvnotes.store.load_block`) are placed in
-        order by `kvnotes.compose.transplant`: keys rotated to where they land, the first `seam`
+        Blocks (or paths of stored ones, checked by `kvnotes.compose.store.load_block`) are placed in
+        order by `kvnotes.compose.splice.transplant`: keys rotated to where they land, the first `seam`
         tokens of each recomputed against everything before them (seam >= a block's length:
         exact). The prompt's cache is kept up to the insertion point and its remaining tokens are
         recomputed after the blocks.
         """
-        from kvnotes.store import load_block
+        from kvnotes.compose.store import load_block
 
         items = [blocks] if isinstance(blocks, Block | str | os.PathLike) else list(blocks)
         if not items:

@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes import interp
-from kvnotes.metrics import ci_dict
+from kvnotes.edit.patching import PatchPair, recoveries, scores_from_logits
+from kvnotes.engine import interp
+from kvnotes.measure.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
-from kvnotes.patching import PatchPair, recoveries, scores_from_logits
-from probes._readouts import per_item
+from probes.parts.readouts import per_item
 
 RANKINGS = ("attention", "effect")
 

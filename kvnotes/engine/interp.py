@@ -9,10 +9,10 @@ inside one is dropped), so results are collected into containers made before the
 
 `patch_heads_at_tail` does the same swap for many head sets at once: only the tail token's heads
 change, and no earlier position can see them, so the dst run is its cache plus the tail, read as
-a batch of variants over one shared cache (kvnotes.variants.read_variants) with an o_proj pre-hook.
+a batch of variants over one shared cache (kvnotes.engine.variants.read_variants) with an o_proj pre-hook.
 `hide_keys` removes chosen keys from the attention of every later query (an additive -inf in a
 4D mask, all layers): the information written there reaches nothing downstream, unlike the
-decision-only knockout of kvnotes.attention, where positions after the notes keep what they read.
+decision-only knockout of kvnotes.engine.attention, where positions after the notes keep what they read.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor, nn
 
-from kvnotes.cache import KVCache
+from kvnotes.engine.cache import KVCache
+from kvnotes.engine.run import Ids, additive_masks, as_ids
+from kvnotes.engine.variants import read_variants
 from kvnotes.models.loading import LoadedModel
-from kvnotes.run import Ids, additive_masks, as_ids
-from kvnotes.variants import read_variants
 
 
 def _envoy(model: LoadedModel, module: nn.Module) -> Any:
