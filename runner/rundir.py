@@ -6,7 +6,9 @@ meta.json (provenance, timing, status, one entry per attempt), parts/<unit>.parq
 continues in the newest unfinished directory and skips the units already there. Looking for that
 directory and making a new one happen under one lock (`<results>/<job>/.<model>.open.lock`), so
 two identical runs started at once never both run: the second finds the first's directory held
-and is refused. A directory holding a link where its own files belong is refused too.
+and is refused. A directory holding a link where its own files belong is refused too. A run is
+clean only if every attempt ran from a clean tree: each attempt keeps its commit and dirty flag,
+and the top level (`dirty`, `git.dirty`) is true when any attempt's was.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -153,6 +155,15 @@ def commit_problem(found: Path, old: Mapping[str, Any], meta: Mapping[str, Any])
             f"{str(now)[:7]}: check that commit out to resume it, or pass resume=false to start a new run")
 
 
+def run_dirty(attempts: Iterable[Mapping[str, Any]]) -> bool | None:
+    """True when any attempt ran from a dirty tree, False when every one is recorded clean, None
+    when some attempt's tree is unknown (no git, or written before attempts kept the flag)."""
+    flags = [a.get("dirty") for a in attempts]
+    if any(f is True for f in flags):
+        return True
+    return False if flags and all(f is False for f in flags) else None
+
+
 class RunLock:
     """An exclusive lock on a run directory (filelock: flock, freed by the OS if the holder dies).
 
@@ -250,7 +261,10 @@ class RunDir:
             if problem:
                 lock.release()
                 raise RunDirError(problem)
-            return cls(found, {**old, **meta, "start_time": old.get("start_time")}, lock)
+            attempts = [dict(a) for a in old.get("attempts") or []]
+            if attempts and "dirty" not in attempts[-1]:  # written before attempts kept the flag:
+                attempts[-1]["dirty"] = (old.get("git") or {}).get("dirty")  # the top level was its
+            return cls(found, {**old, **meta, "start_time": old.get("start_time"), "attempts": attempts}, lock)
 
     @classmethod
     def _start(cls, parent: Path, cfg: DictConfig, chash: str, meta: Mapping[str, Any]) -> RunDir:
@@ -262,10 +276,15 @@ class RunDir:
         return cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []}, lock)
 
     def _begin_attempt(self, meta: Mapping[str, Any], attempt: Mapping[str, Any] | None) -> None:
-        """A new entry in meta["attempts"] and the status `running`, on disk before the open lock goes."""
-        entry = {"start_time": now_iso(), "git_commit": (meta.get("git") or {}).get("commit"),
+        """A new entry in meta["attempts"] (its commit and dirty flag), the top level's dirty flag
+        summed over all attempts, and the status `running`, on disk before the open lock goes."""
+        git = dict(meta.get("git") or {})
+        entry = {"start_time": now_iso(), "git_commit": git.get("commit"), "dirty": git.get("dirty"),
                  **(attempt or {})}
         self.meta["attempts"] = [*self.meta.get("attempts", []), entry]
+        dirty = run_dirty(self.meta["attempts"])
+        self.meta["git"] = {**git, "dirty": dirty}
+        self.meta["dirty"] = dirty
         self.set_status("running")
 
     def close(self) -> None:
