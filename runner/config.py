@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
 from runner import jobs
+from runner.bounds import number_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -186,10 +187,14 @@ def _typed(cls: type, node: Any, where: str) -> Any:
     """
     try:  # a plain copy: merging a typed node would let keys added with `+` through
         plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), plain))
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else e
         raise ConfigError(one_line(cause, where)) from None
+    problem = number_problem(obj, where)  # finite floats, seeds numpy takes, counts >= 0
+    if problem:
+        raise ConfigError(problem)
+    return obj
 
 
 def results_problem(results_dir: str) -> str | None:
