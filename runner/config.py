@@ -81,6 +81,13 @@ class RunConfig:
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
     threads: int | None = None  # torch CPU threads; None: this process's cores, split among parallel jobs
+    # What a load checks of a packaged model's weights: `header` (sizes and safetensors headers,
+    # milliseconds; a byte changed inside a tensor passes, and meta.json says its weights_sha256
+    # is the conversion's record) or `full` (every byte re-hashed: 0.36 s for llama's 517 MB on a
+    # 2-core AMD EPYC, against 0.004 s; `python -m kvnotes.models verify llama`, which also
+    # re-hashes the GGUF, takes 2-3 s there). configs/config.yaml reads $KVNOTES_VERIFY_WEIGHTS,
+    # which scripts/reference_queue.sh sets to `full` for the reference runs.
+    verify_weights: str = "header"
     task: Any = None  # task suite (configs/task/): a TaskConfig of runner.task_config once validated
     probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
     experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
@@ -93,6 +100,8 @@ class RunConfig:
             raise ConfigError("results_dir must not be empty")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+        if self.verify_weights not in ("header", "full"):
+            raise ConfigError(f"verify_weights={self.verify_weights!r}; valid: header, full")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from runner.records import unit_filename as unit_filename
 from runner.table import summary_table as summary_table
 
 log = logging.getLogger(__name__)
-NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads")  # do not change results
+NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads",  # do not change results
+              "verify_weights")
 OPEN_LOCK = ".{model}.open.lock"  # beside <results>/<job>/<model>/, which holds run dirs only
 OPEN_WAIT_S = 60.0  # another opener holds it for milliseconds; a minute means something is stuck
 RUN_FILES = ("meta.json", "config.yaml", "command.txt", "run.log", "overrides.yaml", "records.parquet",
