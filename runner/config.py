@@ -206,8 +206,16 @@ def _typed(cls: type, node: Any, where: str) -> Any:
     return obj
 
 
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (not POSIX): say "no permission"
+        return False
+
+
 def results_problem(results_dir: str) -> str | None:
-    """Why runs cannot be written under `results_dir` (a file in the way, no permission), or None."""
+    """Why runs cannot be written under `results_dir` (a file in the way, a read-only file
+    system, no permission), or None."""
     path = Path(results_dir).absolute()
     probe = path
     while not probe.exists():  # the nearest existing ancestor must be a writable directory
@@ -216,6 +224,8 @@ def results_problem(results_dir: str) -> str | None:
         where = "is a file" if probe == path else f"lies under {probe}, which is a file"
         return f"results_dir={results_dir!r} {where}, not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
+        if _read_only(probe):
+            return f"results_dir={results_dir!r}: {probe} is on a read-only file system"
         return f"results_dir={results_dir!r}: no permission to write in {probe}"
     return None
 

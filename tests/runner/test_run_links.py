@@ -1,14 +1,18 @@
-"""A run dir's own files (issue #36): never written through a planted link."""
+"""A run dir's own files (issue #36): never written through a planted link, and a read-only disk
+named as such."""
 
 from __future__ import annotations
 
 import logging
+import os
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 from tiny_runs import ONE_THREAD, hydra_ready, interrupted_run, read, selfcheck_cfg  # noqa: F401
 
 import runner.main as runner
+from runner.config import results_problem
 from runner.rundir import RecordWriter, RunDirError
 
 # --- 10. links planted in an unfinished run dir -------------------------------------------------
@@ -65,3 +69,15 @@ def test_cleanup_never_follows_a_link(tmp_path):
     w2.parts.symlink_to(target)
     w2.cleanup()
     assert (target / "keep.parquet").is_file()
+
+
+# --- 12. a read-only file system -----------------------------------------------------------------
+
+
+def test_a_read_only_results_dir_is_named_as_such(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=os.ST_RDONLY))
+    assert results_problem(str(tmp_path / "runs")) == (
+        f"results_dir={str(tmp_path / 'runs')!r}: {tmp_path} is on a read-only file system")
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=0))
+    assert "no permission to write in" in results_problem(str(tmp_path / "runs"))
