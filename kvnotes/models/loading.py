@@ -107,6 +107,9 @@ class LoadedModel:
     checksum: str | None = None  # what identifies the loaded weights (files digest, hub commit)
     source_path: str | None = None
     weights: WeightsCheck | None = None  # what was verified of the files before loading
+    # positions a forward through kvnotes.run may reach: load_model sets the config's
+    # max_position_embeddings; None (wrap_model, tiny random models): not checked
+    max_positions: int | None = None
     _nnsight: Any = field(default=None, repr=False)
 
     @property
@@ -300,7 +303,9 @@ def load_model(
     hf.eval()
     if spec.source == "hub":
         checksum = getattr(hf.config, "_commit_hash", None)
-    model = LoadedModel(name, hf, tok, adapter, spec, checksum, path, check)
+    limit = getattr(adapter.text_config(hf), "max_position_embeddings", None)
+    model = LoadedModel(name, hf, tok, adapter, spec, checksum, path, check,
+                        max_positions=limit if isinstance(limit, int) else None)
     if check_logits:
         check_finite_logits(model, fix)
     return model
