@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+import string
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -100,12 +101,50 @@ class Suite:
             raise ValueError(f"suite {self.name!r}: variant {self.variant!r}; valid: {VARIANTS}")
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: what went wrong and where (line and column, 1-based)."""
+    problem = getattr(e, "problem", None) or " ".join(str(e).split())
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
 def _read(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    """A template file's mapping; a file YAML cannot read safely (a tag such as
+    `!!python/object/apply`, broken syntax) is one ValueError line naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: {_yaml_problem(e)}; a template file holds plain YAML (no tags)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a template file holds a mapping")
     return data
+
+
+def format_problem(template: str, allowed: Collection[str]) -> str | None:
+    """Why `template` is not a plain `str.format` template over the names in `allowed`, or None.
+
+    A placeholder is a bare declared name: `{field.__class__}` (attribute access, which
+    rendered `<class 'str'>`), `{v0[0]}` (indexing), `{v0!r}` (a conversion), `{v0:>9}` (a
+    format spec) and `{0}` are refused, so a template renders only the values it declares.
+    """
+    valid = " ".join(f"{{{a}}}" for a in allowed)
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as e:
+        return f"it is not a format template ({e}); valid placeholders: {valid}"
+    for name, conv, spec in fields:
+        shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+        if name in allowed and not conv and not spec:
+            continue
+        if any(c in name for c in ".["):
+            return f"its placeholder {shown} reads an attribute or an index; valid: {valid}"
+        if name in allowed:
+            return f"its placeholder {shown} converts or formats its value; valid: {valid}"
+        return f"it uses an unknown placeholder {name!r} ({shown}); valid: {valid}"
+    return None
 
 
 @functools.cache
@@ -120,7 +159,14 @@ def bank(name: str) -> dict[str, Any]:
     return _read(TEMPLATE_DIR / f"_{name}.yaml")
 
 
+CONTEXT_FIELDS = ("name", "num")  # what a domain's context lines are filled with (kvnotes.tasks.gated)
+
+
 def domain_from_dict(name: str, d: Mapping[str, Any]) -> Domain:
+    for key, line in dict(d.get("context") or {}).items():
+        problem = format_problem(str(line), CONTEXT_FIELDS)
+        if problem:
+            raise ValueError(f"domain {name!r}: context {key!r} ({line!r}): {problem}")
     try:
         return Domain(
             name=name,
