@@ -63,11 +63,9 @@ def rewrite_in_place(path: Path, obj: Any) -> None:
     record a status when the disk is full and `write_json` cannot create its temporary file."""
     data = (json.dumps(obj, indent=2, default=str) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | NOFOLLOW)
-    try:
+    with os.fdopen(fd, "wb") as f:
         os.ftruncate(fd, 0)
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+        f.write(data)
 
 
 def read_json(path: Path) -> dict[str, Any]:
