@@ -5,8 +5,9 @@
 Each run lands at <to>/<job>/<model>/<timestamp>/ with the four files the figures and the report
 read; anything else in the run dir (a skill store, logs) stays behind. A run that did not
 complete is refused: the reference set holds finished runs only. So is a run whose meta.json
-records a dirty tree (uncommitted changes when it ran, or no git state at all): its code is not
-the commit it names. So is a run whose commit is not in the history of the checkout it is copied
+records a dirty tree (uncommitted changes when it ran, or no git state at all), at the top level or
+in any of its attempts (a run started from an edited tree and resumed from a clean one is dirty):
+its code is not the commit it names. So is a run whose commit is not in the history of the checkout it is copied
 into (a commit that never landed cannot be read back). `--force` copies it anyway and marks the
 copy's meta.json (`reference.forced`, with the reason), and the report lists every such run. Every
 run is checked before any is copied.
@@ -56,6 +57,12 @@ def dirty_reason(meta: dict[str, Any], repo: Path | None = None) -> str | None:
     git: dict[str, Any] = raw if isinstance(raw, dict) else {}
     if not git.get("commit"):
         return "meta.json records no git commit"
+    attempts = [a for a in meta.get("attempts") or [] if isinstance(a, dict)]
+    for i, a in enumerate(attempts, 1):  # a key absent: written before attempts kept the flag
+        if "dirty" in a and a["dirty"] is not False:
+            what = "ran from a dirty tree" if a["dirty"] else "recorded no git state"
+            return (f"attempt {i} of {len(attempts)} {what} (commit {str(a.get('git_commit'))[:7]}); "
+                    "a run is clean only if every attempt was")
     if git.get("dirty") is not False:
         return f"meta.json records a dirty tree at commit {str(git['commit'])[:7]} (uncommitted changes)"
     commits = {str(a["git_commit"]) for a in meta.get("attempts") or []

@@ -6,7 +6,6 @@ our own methods.
 from __future__ import annotations
 
 import json
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from experiments._guard import run_guarded
 from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
@@ -70,7 +70,8 @@ def run_worker(python: str, model: LoadedModel, confs: dict[str, dict[str, Any]]
                ) -> tuple[list[dict[str, Any]], dict[tuple[str, str], torch.Tensor]]:
     """Run experiments/_kvboost_worker.py in kvboost's venv on `items` ({key, text, context_text,
     max_new_tokens}) with each of `confs` (name -> strategy settings): its result lines and the
-    first-token logits per (key, config), the baseline (its full prefill) included."""
+    first-token logits per (key, config), the baseline (its full prefill) included. The worker
+    runs under the watchdog (experiments/_guard.py): it and its children die with this process."""
     py = resolve(python)
     if not py.exists():
         raise RuntimeError(f"kvboost python {py} not found: python -m venv .venv-kvboost && "
@@ -79,8 +80,8 @@ def run_worker(python: str, model: LoadedModel, confs: dict[str, dict[str, Any]]
            "configs": [{"name": n, **c} for n, c in confs.items()], "items": items}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "job.json").write_text(json.dumps(job))
-        proc = subprocess.run([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
-                               f"{tmp}/out"], capture_output=True, text=True, timeout=timeout_s)
+        proc = run_guarded([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
+                            f"{tmp}/out"], timeout=timeout_s)  # dies with this process, however it dies
         if proc.returncode != 0:
             raise RuntimeError(f"kvboost worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
         res = [json.loads(x) for x in (Path(tmp) / "out" / "results.jsonl").read_text().splitlines()]

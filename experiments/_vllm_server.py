@@ -2,7 +2,8 @@
 loopback port from its own venv, waited for, and always stopped (process group, SIGINT then
 SIGKILL), also when the experiment is interrupted, and also when it is killed outright: the
 server runs under experiments/_watchdog.py, the leader of its process group, which the kernel
-signals when the experiment dies (PR_SET_PDEATHSIG) and which then kills the whole group.
+signals when the experiment dies (PR_SET_PDEATHSIG) and which then kills the whole group (as its
+sentinel does if the watchdog alone is killed: vLLM's EngineCore and Worker go too).
 The client side: experiments/_vllm_client.py.
 """
 
@@ -14,29 +15,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
+from experiments._guard import WATCHDOG as WATCHDOG
+from experiments._guard import spawn_guarded as spawn_guarded
 from experiments._vllm_client import get
 
-WATCHDOG = Path(__file__).with_name("_watchdog.py")
-
 # --- The server process -----------------------------------------------------------------------
-
-
-def spawn_guarded(argv: list[str], env: dict[str, str] | None = None,
-                  stdout: IO[Any] | int | None = None) -> subprocess.Popen[bytes]:
-    """`argv` started under the watchdog, in a new session and process group whose leader is the
-    watchdog (pid = pgid of the returned process): the group dies with this process, however
-    this process dies. `os.killpg(proc.pid, sig)` reaches the command and all its children."""
-    return subprocess.Popen([sys.executable, str(WATCHDOG), str(os.getpid()), "--", *argv], env=env,
-                            stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

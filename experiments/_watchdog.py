@@ -10,8 +10,12 @@ parent pid is checked once, so a parent that died earlier is seen too); a poll o
 every 0.2 s backs it up. Either way the watchdog kills its whole process group with SIGKILL. The
 command also gets PR_SET_PDEATHSIG = SIGKILL towards the watchdog (a small preexec_fn through
 ctypes, safe here because the watchdog has no other thread), so a watchdog killed on its own
-takes the command with it. When the command exits, the watchdog kills what is left of the
-group and exits with the command's status. SIGINT and a SIGTERM while the parent lives are
+takes the command with it; the command's own children (vLLM's EngineCore and Worker) are not
+its children, so a sentinel, forked into the group before the command starts, watches the
+watchdog the same way (death signal plus a getppid poll) and kills the whole group when it
+dies; the watchdog kills the group when the sentinel dies. SIGKILL to any one process of the
+guard takes the whole group down. When the command exits, the watchdog kills what is left of the
+group (the sentinel included) and exits with the command's status. SIGINT and a SIGTERM while the parent lives are
 ignored: the owner stops the server by signalling the whole group (experiments/_vllm_server.py).
 
 Standard library only, run by path: it must not import the project.
@@ -74,6 +78,32 @@ def kill_group() -> None:
     os._exit(137)  # not reached
 
 
+def start_sentinel() -> int:
+    """Fork a process of this group that kills the group when the watchdog (its parent) dies,
+    however it dies; the sentinel's pid."""
+    watchdog = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the sentinel: no return from here
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda s, f: kill_group() if os.getppid() != watchdog else None)
+        set_death_signal(signal.SIGTERM)
+        while os.getppid() == watchdog:
+            time.sleep(POLL_S)
+        kill_group()
+    finally:
+        os._exit(0)
+
+
+def exited(pid: int) -> bool:
+    """Whether child `pid` has exited (it is reaped here if so)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
         sys.stderr.write("usage: _watchdog.py PARENT_PID -- COMMAND...\n")
@@ -91,9 +121,10 @@ def main(argv: list[str]) -> int:
     set_death_signal(signal.SIGTERM)
     if os.getppid() != parent:  # died before the death signal was armed
         kill_group()
+    sentinel = start_sentinel()
     child = subprocess.Popen(cmd, preexec_fn=_child_setup)
     while child.poll() is None:
-        if os.getppid() != parent:
+        if os.getppid() != parent or exited(sentinel):  # the parent or the sentinel is gone
             kill_group()
         time.sleep(POLL_S)
     me = os.getpid()

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
 from runner import jobs
+from runner.bounds import number_problem
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -80,6 +81,13 @@ class RunConfig:
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
     threads: int | None = None  # torch CPU threads; None: this process's cores, split among parallel jobs
+    # What a load checks of a packaged model's weights: `header` (sizes and safetensors headers,
+    # milliseconds; a byte changed inside a tensor passes, and meta.json says its weights_sha256
+    # is the conversion's record) or `full` (every byte re-hashed: 0.36 s for llama's 517 MB on a
+    # 2-core AMD EPYC, against 0.004 s; `python -m kvnotes.models verify llama`, which also
+    # re-hashes the GGUF, takes 2-3 s there). configs/config.yaml reads $KVNOTES_VERIFY_WEIGHTS,
+    # which scripts/reference_queue.sh sets to `full` for the reference runs.
+    verify_weights: str = "header"
     task: Any = None  # task suite (configs/task/): a TaskConfig of runner.task_config once validated
     probe: Any = None  # +probe=<name>: configs/probe/<name>.yaml
     experiment: Any = None  # +experiment=<name>: configs/experiment/<name>.yaml
@@ -92,6 +100,8 @@ class RunConfig:
             raise ConfigError("results_dir must not be empty")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1 or null, got {self.threads}")
+        if self.verify_weights not in ("header", "full"):
+            raise ConfigError(f"verify_weights={self.verify_weights!r}; valid: header, full")
 
 
 @dataclass(frozen=True)
@@ -186,14 +196,26 @@ def _typed(cls: type, node: Any, where: str) -> Any:
     """
     try:  # a plain copy: merging a typed node would let keys added with `+` through
         plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), plain))
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else e
         raise ConfigError(one_line(cause, where)) from None
+    problem = number_problem(obj, where)  # finite floats, seeds numpy takes, counts >= 0
+    if problem:
+        raise ConfigError(problem)
+    return obj
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (not POSIX): say "no permission"
+        return False
 
 
 def results_problem(results_dir: str) -> str | None:
-    """Why runs cannot be written under `results_dir` (a file in the way, no permission), or None."""
+    """Why runs cannot be written under `results_dir` (a file in the way, a read-only file
+    system, no permission), or None."""
     path = Path(results_dir).absolute()
     probe = path
     while not probe.exists():  # the nearest existing ancestor must be a writable directory
@@ -202,6 +224,8 @@ def results_problem(results_dir: str) -> str | None:
         where = "is a file" if probe == path else f"lies under {probe}, which is a file"
         return f"results_dir={results_dir!r} {where}, not a directory"
     if not os.access(probe, os.W_OK | os.X_OK):
+        if _read_only(probe):
+            return f"results_dir={results_dir!r}: {probe} is on a read-only file system"
         return f"results_dir={results_dir!r}: no permission to write in {probe}"
     return None
 

@@ -28,7 +28,8 @@ def load(cfg: RunConfig) -> LoadedModel:
 
     dtype = cfg.dtype if cfg.dtype != "auto" else cfg.model.dtype
     if cfg.model.tiny_family is None:
-        model = load_model(cfg.model.name, device=cfg.device, dtype=dtype, cache=cfg.cache_dir)
+        model = load_model(cfg.model.name, device=cfg.device, dtype=dtype, cache=cfg.cache_dir,
+                           verify_weights=cfg.verify_weights)
         assert model.spec is not None  # a registered model always has its spec
         spec = dataclasses.replace(model.spec, margin=cfg.model.margin)  # probes read spec.margin
         return dataclasses.replace(model, spec=spec)

@@ -31,16 +31,12 @@ from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
+from runner.endings import disk_failure, interrupted_line, record_end, sigterm_interrupts
+from runner.files import NoFollowFileHandler, append_text, atomic_write, now_iso, read_json
 from runner.jobs import discover
-from runner.rundir import (
-    RecordWriter,
-    RunDir,
-    RunDirError,
-    config_hash,
-    now_iso,
-    read_json,
-    summary_table,
-)
+from runner.records import RecordWriter
+from runner.rundir import RunDir, RunDirError, config_hash
+from runner.table import summary_table
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -111,18 +107,18 @@ def record_invocation(path: Path, attempt: int) -> None:
     """command.txt (one line per attempt) and overrides.yaml (this attempt's): how to rerun it."""
     import yaml
 
-    with open(path / "command.txt", "a", encoding="utf-8") as f:
-        f.write(f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
+    append_text(path / "command.txt", f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
     overrides = hydra_overrides()
-    (path / "overrides.yaml").write_text(yaml.safe_dump(overrides if overrides is not None else [],
-                                                        default_flow_style=False))
+    atomic_write(path / "overrides.yaml", yaml.safe_dump(overrides if overrides is not None else [],
+                                                         default_flow_style=False).encode())
 
 
 class RunLog:
-    """Everything logged while the run dir is open also goes to <run dir>/run.log (appended)."""
+    """Everything logged while the run dir is open also goes to <run dir>/run.log (appended,
+    never through a link)."""
 
     def __init__(self, path: Path) -> None:
-        self.handler = logging.FileHandler(path / "run.log", encoding="utf-8")
+        self.handler = NoFollowFileHandler(path / "run.log", encoding="utf-8")
         self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
         self.root = logging.getLogger()
         self.level = self.root.level
@@ -170,8 +166,7 @@ def run(cfg: DictConfig) -> Path:
     rd = RunDir.open(Path(job.cfg.results_dir), job.name, job.cfg.model.name, cfg, chash,
                      job.cfg.resume, meta, attempt)
     try:
-        record_invocation(rd.path, len(rd.meta["attempts"]))
-        with RunLog(rd.path):
+        with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does
             _run_in(rd, job)
     finally:
         rd.close()
@@ -208,7 +203,25 @@ def threads_for(cfg: RunConfig) -> tuple[int, str]:
 
 
 def _run_in(rd: RunDir, job: Job) -> None:
-    """Load, run and summarise inside an open (locked) run directory; its status says how it ended."""
+    """Run the job inside an open (locked) run directory; its status says how it ended."""
+    try:
+        record_invocation(rd.path, len(rd.meta["attempts"]))
+        with RunLog(rd.path):
+            writer = _run_job(rd, job)
+    except KeyboardInterrupt:
+        record_end(rd, "interrupted")
+        raise
+    except BaseException as e:
+        disk = disk_failure(rd, e)
+        if disk is not None:
+            raise disk from None
+        record_end(rd, "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    writer.cleanup()  # never raises: a completed run stays completed
+
+
+def _run_job(rd: RunDir, job: Job) -> RecordWriter:
+    """Load, run and summarise; the run is marked completed here (logged in run.log)."""
     log.info("%s run dir: %s", "resuming" if rd.resumed else "new", rd.path)
     log.info("command: %s", command_line())
     try:
@@ -225,16 +238,15 @@ def _run_in(rd: RunDir, job: Job) -> None:
             (run_probe if job.kind == "probe" else run_experiment)(ctx)
         records = ctx.writer.finalize()
         rd.write_summary(build_summary(job, records) | {"finished": now_iso()})
+        rd.set_status("completed")
     except KeyboardInterrupt:
-        rd.set_status("interrupted")
+        log.info("interrupted: %s", rd.path)
         raise
     except BaseException as e:
-        rd.set_status("failed", error=f"{type(e).__name__}: {e}")
         log.error("failed: %s: %s", type(e).__name__, e)
         raise
-    rd.set_status("completed")
     log.info("completed: %s", rd.path)
-    ctx.writer.cleanup()  # never raises: a completed run stays completed
+    return ctx.writer
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
@@ -245,10 +257,10 @@ def main(cfg: DictConfig) -> None:
         path = run(cfg)
     except (ConfigError, WeightsError, RunDirError, MemoryBudgetError) as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        print("interrupted: finished units are on disk; rerun the same command to resume",
-              file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        line, code = interrupted_line(e)
+        print(line, file=sys.stderr)
+        sys.exit(code)
     print(summary_table(read_json(path / "summary.json")))
     print(f"run dir: {path}")
 

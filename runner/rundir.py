@@ -1,10 +1,14 @@
-"""Run directories: provenance, resumable record units written atomically, summaries.
+"""Run directories: provenance, one lock around finding or making one, attempts, summaries.
 
 A run lives in <results_dir>/<probe-or-experiment>/<model>/<timestamp>/ with config.yaml,
-meta.json (provenance, timing, status), parts/<unit>.parquet while it runs, then
-records.parquet and summary.json. Each unit (an item, a block) is written to a temporary file
-and renamed into place, so a unit is either wholly on disk or absent; a rerun with the same
-config hash continues in the newest unfinished directory and skips the units already there.
+meta.json (provenance, timing, status, one entry per attempt), parts/<unit>.parquet while it runs
+(runner/records.py), then records.parquet and summary.json. A rerun with the same config hash
+continues in the newest unfinished directory and skips the units already there. Looking for that
+directory and making a new one happen under one lock (`<results>/<job>/.<model>.open.lock`), so
+two identical runs started at once never both run: the second finds the first's directory held
+and is refused. A directory holding a link where its own files belong is refused too. A run is
+clean only if every attempt ran from a clean tree: each attempt keeps its commit and dirty flag,
+and the top level (`dirty`, `git.dirty`) is true when any attempt's was.
 """
 
 from __future__ import annotations
@@ -13,36 +17,39 @@ import hashlib
 import json
 import logging
 import os
-import re
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from runner.files import (
+    RunDirError,
+    atomic_write,
+    disk_problem,
+    is_link,
+    now_iso,
+    read_json,
+    rewrite_in_place,
+    write_json,
+)
+from runner.records import UNIT as UNIT
+from runner.records import RecordWriter as RecordWriter
+from runner.records import unit_filename as unit_filename
+from runner.table import summary_table as summary_table
+
 log = logging.getLogger(__name__)
-UNIT = "unit"  # column naming the unit a record was written in
-NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads")  # do not change results
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Atomic JSON write (tmp + rename). NaN is written as NaN, never replaced by a sentinel."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads",  # do not change results
+              "verify_weights")
+OPEN_LOCK = ".{model}.open.lock"  # beside <results>/<job>/<model>/, which holds run dirs only
+OPEN_WAIT_S = 60.0  # another opener holds it for milliseconds; a minute means something is stuck
+RUN_FILES = ("meta.json", "config.yaml", "command.txt", "run.log", "overrides.yaml", "records.parquet",
+             "summary.json", "parts", ".lock", ".holder.json")
 
 
 def config_hash(cfg: DictConfig, device: str) -> str:
@@ -55,91 +62,20 @@ def config_hash(cfg: DictConfig, device: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def unit_filename(key: object) -> str:
-    """A safe, unique file stem for a unit key (unsafe characters replaced, hash appended)."""
-    text = str(key)
-    safe = re.sub(r"[^A-Za-z0-9._=-]", "_", text)[:80]
-    if safe != text or safe.startswith("."):
-        safe = f"{safe}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
-    return safe
-
-
-class RecordWriter:
-    """Appends the records of one unit at a time as parts/<unit>.parquet, atomically."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.parts = run_dir / "parts"
-        self.records_path = run_dir / "records.parquet"
-        self.parts.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: object) -> Path:
-        return self.parts / f"{unit_filename(key)}.parquet"
-
-    def done(self, key: object) -> bool:
-        """Whether this unit is already on disk (a rerun skips it)."""
-        return self._path(key).exists()
-
-    def write(self, key: object, records: Iterable[Mapping[str, Any]]) -> None:
-        """All records of unit `key` (possibly none: the unit still counts as done)."""
-        rows = [dict(r) for r in records]
-        if any(UNIT in r for r in rows):
-            raise ValueError(f"records may not carry a {UNIT!r} column; it names the unit")
-        frame = pd.DataFrame(rows)
-        frame.insert(0, UNIT, str(key))
-        path = self._path(key)
-        tmp = path.with_name(f".{path.name}.tmp")
-        frame.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-
-    def n_done(self) -> int:
-        return len(list(self.parts.glob("*.parquet")))
-
-    def read(self) -> pd.DataFrame:
-        """Every unit written so far, concatenated in unit-file order."""
-        frames = [pd.read_parquet(p) for p in sorted(self.parts.glob("*.parquet"))]
-        frames = [f for f in frames if len(f)]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({UNIT: []})
-
-    def finalize(self) -> pd.DataFrame:
-        """Concatenate the parts into records.parquet (atomically); the parts stay until cleanup."""
-        frame = self.read()
-        tmp = self.records_path.with_name(f".{self.records_path.name}.tmp")
-        frame.to_parquet(tmp, index=False)
-        os.replace(tmp, self.records_path)
-        return frame
-
-    def cleanup(self) -> None:
-        """Drop the parts once the run is completed (records.parquet holds them all).
-
-        Never raises: a leftover file (a `.tmp` of a killed attempt) or a part another tool
-        holds open is logged and left, since the run itself is complete.
-        """
-        if not self.parts.is_dir():
-            return
-        for p in self.parts.iterdir():
-            if p.suffix in (".parquet", ".tmp") and p.is_file():
-                p.unlink(missing_ok=True)
-        try:
-            self.parts.rmdir()
-        except OSError as e:
-            log.warning("left %s in place: %s", self.parts, e.strerror or e)
-
-
 def _stamp() -> str:
     return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
 
-class RunDirError(Exception):
-    """A run directory that cannot be used: not writable, held by another process, or (to resume)
-    started at another commit."""
-
-
-def new_dir(parent: Path) -> Path:
-    """parent/<timestamp>, with a -1, -2, ... suffix if that second is already taken."""
+def make_parent(parent: Path) -> None:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"cannot create the run directory under {parent}: {e.strerror or e}") from None
+
+
+def new_dir(parent: Path) -> Path:
+    """parent/<timestamp>, with a -1, -2, ... suffix if that second is already taken."""
+    make_parent(parent)
     base = _stamp()
     for i in range(1000):
         path = parent / (base if i == 0 else f"{base}-{i}")
@@ -151,6 +87,30 @@ def new_dir(parent: Path) -> Path:
         except OSError as e:
             raise RunDirError(f"cannot create the run directory {path}: {e.strerror or e}") from None
     raise RuntimeError(f"cannot create a run directory under {parent}")
+
+
+@contextmanager
+def open_lock(parent: Path) -> Iterator[None]:
+    """Held while an opener looks for an unfinished run under `parent` and takes it, or makes a
+    new one: the next opener then finds that run (held) instead of making a second one."""
+    from filelock import FileLock, Timeout
+
+    make_parent(parent)
+    path = parent.parent / OPEN_LOCK.format(model=parent.name)
+    if is_link(path):
+        raise RunDirError(f"{path} is a symbolic link; remove it")
+    lock = FileLock(str(path), timeout=OPEN_WAIT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunDirError(f"{path} has been held for {OPEN_WAIT_S:.0f} s by another opener; if no run is "
+                          "starting under it, delete it") from None
+    except OSError as e:
+        raise RunDirError(f"cannot lock {path}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _status(path: Path, chash: str) -> str | None:
@@ -166,10 +126,20 @@ def find_unfinished(parent: Path, chash: str) -> Path | None:
     """The newest run under `parent` with this config hash whose status is not completed."""
     if not parent.is_dir():
         return None
-    for path in sorted((p for p in parent.iterdir() if p.is_dir()), reverse=True):
+    for path in sorted((p for p in parent.iterdir() if p.is_dir() and not is_link(p)), reverse=True):
         status = _status(path, chash)
         if status is not None and status != "completed":
             return path
+    return None
+
+
+def link_problem(path: Path) -> str | None:
+    """Why run dir `path` must not be resumed: a link where one of its own files belongs (written
+    through, it would change another file; followed by cleanup, it would delete one)."""
+    for name in RUN_FILES:
+        if is_link(path / name):
+            return (f"{path / name} is a symbolic link; a run dir holds its own files: remove the link, "
+                    "or pass resume=false to start a new run")
     return None
 
 
@@ -184,6 +154,15 @@ def commit_problem(found: Path, old: Mapping[str, Any], meta: Mapping[str, Any])
         return None
     return (f"{found} was started at commit {', '.join(sorted(c[:7] for c in then))}, this code is at "
             f"{str(now)[:7]}: check that commit out to resume it, or pass resume=false to start a new run")
+
+
+def run_dirty(attempts: Iterable[Mapping[str, Any]]) -> bool | None:
+    """True when any attempt ran from a dirty tree, False when every one is recorded clean, None
+    when some attempt's tree is unknown (no git, or written before attempts kept the flag)."""
+    flags = [a.get("dirty") for a in attempts]
+    if any(f is True for f in flags):
+        return True
+    return False if flags and all(f is False for f in flags) else None
 
 
 class RunLock:
@@ -245,16 +224,32 @@ class RunDir:
     ) -> RunDir:
         """Resume the newest unfinished run with hash `chash` (if `resume`), else start one.
 
-        The directory is locked for as long as this RunDir is open (`close`). An unfinished run
-        that another process holds is refused (RunDirError naming the holder) rather than
-        shared; one that completed between the search and the lock is left alone.
+        The search and the start happen under `open_lock`, so of two identical runs started at
+        once one runs and the other is refused. The directory is locked for as long as this
+        RunDir is open (`close`). An unfinished run that another process holds is refused
+        (RunDirError naming the holder) rather than shared; one that completed between the
+        search and the lock is left alone.
         """
         parent = Path(results_dir) / job / model
-        run: RunDir | None = None
-        while resume and run is None:
+        try:
+            with open_lock(parent):
+                run = cls._resume(parent, chash, meta) if resume else None
+                if run is None:
+                    run = cls._start(parent, cfg, chash, meta)
+                run._begin_attempt(meta, attempt)
+        except OSError as e:  # a full or read-only disk while writing meta.json or config.yaml
+            raise RunDirError(f"cannot start a run under {parent}: {e.strerror or e}") from None
+        return run
+
+    @classmethod
+    def _resume(cls, parent: Path, chash: str, meta: Mapping[str, Any]) -> RunDir | None:
+        while True:
             found = find_unfinished(parent, chash)
             if found is None:
-                break
+                return None
+            problem = link_problem(found)
+            if problem:
+                raise RunDirError(problem)
             lock = RunLock(found)
             if not lock.acquire():
                 raise RunDirError(f"{found} is in use by {lock.holder()}: wait for it to finish, or "
@@ -267,19 +262,31 @@ class RunDir:
             if problem:
                 lock.release()
                 raise RunDirError(problem)
-            run = cls(found, {**old, **meta, "start_time": old.get("start_time")}, lock)
-        if run is None:
-            path = new_dir(parent)
-            lock = RunLock(path)
-            if not lock.acquire():  # nobody else knows this directory yet
-                raise RunDirError(f"{path} is in use by {lock.holder()}")
-            (path / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            run = cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []}, lock)
-        entry = {"start_time": now_iso(), "git_commit": meta.get("git", {}).get("commit"),
+            attempts = [dict(a) for a in old.get("attempts") or []]
+            if attempts and "dirty" not in attempts[-1]:  # written before attempts kept the flag:
+                attempts[-1]["dirty"] = (old.get("git") or {}).get("dirty")  # the top level was its
+            return cls(found, {**old, **meta, "start_time": old.get("start_time"), "attempts": attempts}, lock)
+
+    @classmethod
+    def _start(cls, parent: Path, cfg: DictConfig, chash: str, meta: Mapping[str, Any]) -> RunDir:
+        path = new_dir(parent)
+        lock = RunLock(path)
+        if not lock.acquire():  # nobody else knows this directory yet
+            raise RunDirError(f"{path} is in use by {lock.holder()}")
+        atomic_write(path / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        return cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []}, lock)
+
+    def _begin_attempt(self, meta: Mapping[str, Any], attempt: Mapping[str, Any] | None) -> None:
+        """A new entry in meta["attempts"] (its commit and dirty flag), the top level's dirty flag
+        summed over all attempts, and the status `running`, on disk before the open lock goes."""
+        git = dict(meta.get("git") or {})
+        entry = {"start_time": now_iso(), "git_commit": git.get("commit"), "dirty": git.get("dirty"),
                  **(attempt or {})}
-        run.meta["attempts"] = [*run.meta.get("attempts", []), entry]
-        run.set_status("running")
-        return run
+        self.meta["attempts"] = [*self.meta.get("attempts", []), entry]
+        dirty = run_dirty(self.meta["attempts"])
+        self.meta["git"] = {**git, "dirty": dirty}
+        self.meta["dirty"] = dirty
+        self.set_status("running")
 
     def close(self) -> None:
         """Release the lock (the process exiting releases it too)."""
@@ -292,8 +299,14 @@ class RunDir:
         return len(self.meta["attempts"]) > 1
 
     def update(self, **fields: Any) -> None:
+        """meta.json with `fields`; on a full disk, rewritten over its own blocks instead."""
         self.meta.update(fields)
-        write_json(self.path / "meta.json", self.meta)
+        try:
+            write_json(self.path / "meta.json", self.meta)
+        except OSError as e:
+            if not disk_problem(e) or not (self.path / "meta.json").is_file():
+                raise
+            rewrite_in_place(self.path / "meta.json", self.meta)
 
     def set_status(self, status: str, error: str | None = None) -> None:
         """running | completed | interrupted | failed; closes the current attempt's timing."""
@@ -308,75 +321,3 @@ class RunDir:
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(summary))
-
-
-HEADLINE = ("n_items", "n_usable", "n_skipped", "n_usable_recovery", "n_usable_p_correct", "margin")
-
-
-def _ci_rows(node: Any, path: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
-    if isinstance(node, Mapping):
-        if "mean" in node and "n" in node:
-            yield path, node
-            return
-        for key, sub in node.items():
-            yield from _ci_rows(sub, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, list) and node and all(isinstance(x, Mapping) and "mean" in x for x in node):
-        for x in node:  # a curve: label each point by its first non-statistic key (k, layer, band)
-            label = next((f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in x.items() if k not in ("mean", "ci_lo", "ci_hi", "n")), "")
-            yield f"{path}[{label}]", x
-
-
-def _cell(r: Mapping[str, Any]) -> str:
-    def num(x: Any) -> str:
-        return f"{x:.3f}" if isinstance(x, int | float) and x == x else "nan"
-
-    return f"{num(r['mean'])} [{num(r.get('ci_lo'))}, {num(r.get('ci_hi'))}] n={r['n']}"
-
-
-def summary_table(summary: Mapping[str, Any], max_rows: int = 60) -> str:
-    """A short plain-text table of a summary: the item counts, then every mean with its CI and n,
-    then the summary's one-line `reading` and its `margin_rule`.
-
-    Metrics that repeat under several groups (p_correct, recovery, ... per strategy) become one
-    row per group with a column per metric; a curve (a list of points) gives a row per point.
-    A run with no usable item prints one line saying so and what to try, never a table of NaN.
-    """
-    title = " ".join(str(summary[k]) for k in ("kind", "name", "model") if k in summary)
-    counts = "  ".join(f"{k}={summary[k]}" for k in HEADLINE if k in summary)
-    rows = list(_ci_rows({k: v for k, v in summary.items() if k not in HEADLINE}, ""))
-    lines = [title, counts] if counts else [title]
-    if summary.get("no_usable") or (rows and summary.get("n_items") and all(not r.get("n") for _, r in rows)):
-        return "\n".join([*lines, str(summary.get("no_usable") or (
-            f"no usable item: every mean is over 0 of {summary['n_items']} items at margin "
-            f"{summary.get('margin')}. Try a model that conditions on the field (qwen-1.5b) or a margin "
-            "derived by the rule of kvnotes.measure.margins (python -m analysis.margin <gated-control run>)."))])
-    notes = [f"{k.replace('_', ' ')}: {summary[k]}" for k in ("reading", "margin_rule")
-             if isinstance(summary.get(k), str)]
-
-    def cell(r: Mapping[str, Any]) -> str:  # timings carry a min-max range, never called a CI
-        if r.get("interval") == "min-max":
-            return f"{r['mean']:.3f} (min-max {r['min']:.3f}-{r['max']:.3f}) n={r['n']}"
-        return _cell(r)
-    groups: dict[str, dict[str, Mapping[str, Any]]] = {}
-    for path, r in rows:
-        head, _, leaf = path.rpartition(".")
-        groups.setdefault(head, {})[leaf] = r
-    leaves = [tuple(g) for g in groups.values()]
-    wide = len(groups) > 1 and all(len(g) > 1 for g in leaves) and len(set(leaves)) == 1
-    if not rows:
-        scalars = [f"{k}: {v}" for k, v in summary.items()
-                   if isinstance(v, int | float | str | bool) and k not in ("kind", "name", "model", "finished")
-                   and k not in ("reading", "margin_rule")]
-        return "\n".join(lines + scalars + notes)
-    if wide:
-        cols = list(leaves[0])
-        table = [["", *cols]] + [[head, *(cell(g[c]) for c in cols)] for head, g in groups.items()]
-    else:
-        table = [["metric", "mean [95% CI] n"]] + [[p, cell(r)] for p, r in rows]
-    shown = table[: max_rows + 1]
-    widths = [max(len(row[i]) for row in shown) for i in range(len(shown[0]))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in shown]
-    if len(table) > len(shown):
-        lines.append(f"... {len(table) - len(shown)} more rows in summary.json")
-    return "\n".join(lines + notes)

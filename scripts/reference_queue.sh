@@ -14,7 +14,7 @@
 # copy a finished one into the reference set with `python -m analysis.reference RUN_DIR`.
 # Paths outside the worktree (a venv, the LoCoMo file) are given through $REPO (this checkout) in
 # COMMAND: the worktree holds tracked files only, and anything untracked there would mark the runs
-# dirty.
+# dirty. KVNOTES_VERIFY_WEIGHTS=full is exported: every run re-hashes its weights at load.
 set -uo pipefail
 jobs=${1:?usage: reference_queue.sh JOBS_FILE [STATE_DIR]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +24,9 @@ mkdir -p "$state"
 tree=$state/tree
 touch "$state/done.txt"
 export REPO=$repo
+# reference runs re-hash every byte of the weights at load (verify_weights=full in the run config;
+# 0.36 s for llama on a 2-core EPYC), so a flipped bit is refused rather than recorded as clean
+export KVNOTES_VERIFY_WEIGHTS=full
 use_commit() {  # the worktree at commit $1, which must be clean there
   if [[ -d "$tree" ]]; then git -C "$tree" checkout -q --detach "$1" || exit 2
   else git -C "$repo" worktree add -q --detach "$tree" "$1" || exit 2; fi

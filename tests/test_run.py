@@ -263,3 +263,25 @@ def test_extend_into_writes_in_place_and_equals_extend(tiny):
         run.extend_into(tiny, keys, values, 39, ids[:, :2])
     with pytest.raises(ValueError, match="layers of buffers"):
         run.extend_into(tiny, keys[:1], values[:1], 20, ids[:, :1])
+
+
+def test_a_forward_past_the_models_positions_is_one_config_error(tmp_path):
+    """Issue #36: a prefill longer than max_position_embeddings ran without a word. A checkpoint
+    loaded by load_model is bounded by its config; a cached + new length past it names both."""
+    from kvnotes.errors import ConfigError
+    from kvnotes.models import load_model
+    from kvnotes.models.tiny import tiny_model
+
+    m = tiny_model("llama")
+    m.hf.config.max_position_embeddings = 16
+    m.hf.save_pretrained(tmp_path)
+    m.tokenizer.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), device="cpu", check_logits=False)
+    with pytest.raises(ConfigError, match=r"17 positions .* has 16 \(max_position_embeddings\)"):
+        run.prefill(model, _ids(17))
+    step = run.prefill(model, _ids(10))
+    with pytest.raises(ConfigError, match=r"10 cached \+ 7 new = 17 positions"):
+        run.extend(model, step.cache, _ids(7))
+    assert run.extend(model, step.cache, _ids(6)).cache.seq_len == 16  # the limit itself runs
+    with pytest.raises(ConfigError, match="17 positions"):
+        run.recompute_extend(model, step.cache, _ids(10), [3], _ids(7))

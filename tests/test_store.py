@@ -103,6 +103,21 @@ def test_not_a_block_is_refused(tmp_path):
         store.load_block(tmp_path / "bad.safetensors", m)
 
 
+def test_block_names_map_to_distinct_files_in_the_store(tmp_path):
+    """Two names never share a file (issue #36: "a/b" and "a_b" did), and a name never leaves
+    the store; plain names keep their file name."""
+    names = ["a/b", "a_b", "a b", "a~2fb", "a\\b", "../up", ".hidden", "_hidden", "é", "e\u0301"]
+    paths = [store.block_path(tmp_path, n) for n in names]
+    assert len(set(paths)) == len(names)
+    assert all(p.parent == tmp_path and not p.name.startswith(".") for p in paths)
+    assert store.block_path(tmp_path, "skill-L512") == tmp_path / "skill-L512.safetensors"
+    assert store.block_path(tmp_path, "a/b") == tmp_path / "a~2fb.safetensors"
+    with pytest.raises(store.StoreError, match="empty"):
+        store.block_path(tmp_path, "")
+    with pytest.raises(store.StoreError, match="too long"):
+        store.block_path(tmp_path, "/" * 100)
+
+
 def test_another_process_loads_the_block(tmp_path):
     m = tiny_model("gemma3", seed=3)
     blk = compose.prefill_block(m, _ids(12, 4))

@@ -179,10 +179,30 @@ def read_staged(path: str | os.PathLike[str], device: torch.device | str,
     return on_host, meta, on_host if placed is host else views(placed)
 
 
+NAME_MAX = 200  # characters of a block's file stem on disk (file systems allow 255 bytes a name)
+
+
+def _escaped(c: str, first: bool) -> str:
+    if c.isascii() and (c.isalnum() or c in "_-" or (c == "." and not first)):
+        return c
+    return "".join(f"~{b:02x}" for b in c.encode())
+
+
 def block_path(root: str | os.PathLike[str], name: str) -> Path:
-    """Where block `name` lives under a store directory (unsafe characters replaced)."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    return Path(root) / f"{safe}{SUFFIX}"
+    """Where block `name` lives under a store directory.
+
+    A name of ASCII letters, digits, `_`, `-` and `.` (not first) is its own file stem; any
+    other character, a leading `.` and `~` itself are written `~XX` per UTF-8 byte ("a/b" ->
+    "a~2fb"). So two names never share a file ("a/b" and "a_b" used to), and no name reaches
+    outside the store or hides its file. Raises StoreError for an empty or too long name.
+    """
+    if not name:
+        raise StoreError("a block name must not be empty")
+    stem = "".join(_escaped(c, i == 0) for i, c in enumerate(name))
+    if len(stem) > NAME_MAX:
+        raise StoreError(f"block name {name[:40]!r}... is too long: {len(stem)} characters on disk "
+                         f"(escapes included), at most {NAME_MAX}")
+    return Path(root) / f"{stem}{SUFFIX}"
 
 
 def save_block(

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kvnotes.engine import causal
 from kvnotes.engine.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
+from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel
 
 Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor | str
@@ -50,6 +51,16 @@ def as_ids(model: LoadedModel, ids: Ids, bos: bool = False) -> Int[Tensor, "batc
     if t.ndim != 2 or t.shape[1] == 0:
         raise ValueError(f"token ids must be [pos] or [batch, pos] and non-empty, got {tuple(t.shape)}")
     return t.to(model.device)
+
+
+def check_positions(model: LoadedModel, cached: int, new: int) -> None:
+    """ConfigError when `cached` + `new` positions pass the model's `max_positions` (its
+    max_position_embeddings, set by load_model): RoPE would run on positions it never saw."""
+    limit = model.max_positions
+    if limit is not None and cached + new > limit:
+        what = f"{cached} cached + {new} new = {cached + new}" if cached else str(new)
+        raise ConfigError(f"{what} positions exceed model {model.name!r}, which has {limit} "
+                          f"(max_position_embeddings); keep prompt and cache within {limit} tokens")
 
 
 @contextmanager
@@ -143,6 +154,7 @@ def extend_into(
 
 def _run_slots(model: LoadedModel, x: Tensor, layers: list[Any], start: int, logits_to_keep: int) -> Step:
     """`x` forwarded at positions start.. into `Slots` layers; the cache is a view of their buffers."""
+    check_positions(model, start, x.shape[1])
     past = dynamic(layers)
     positions = torch.arange(start, start + x.shape[1], device=model.device)[None].expand(x.shape[0], -1)
     out = _forward(model, x, past, positions, logits_to_keep=logits_to_keep)
@@ -238,6 +250,7 @@ def forward_at(
     grown = p[p >= n]
     if grown.numel() and not torch.equal(grown, torch.arange(n, n + grown.numel(), device=dev)):
         raise IndexError(f"positions from {n} on must be {n}, {n + 1}, ... (appended)")
+    check_positions(model, n, int(grown.numel()))
     j = torch.arange(n, device=dev)
     replaced = torch.zeros(n, dtype=torch.bool, device=dev)
     replaced[p[p < n]] = True

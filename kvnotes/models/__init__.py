@@ -10,7 +10,8 @@ from kvnotes.models.loading import (
     wrap_model,
 )
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec, model_names, register
-from kvnotes.models.weights import WeightsError, cache_dir, fetch, prepare, prepare_tokenizer
+from kvnotes.models.weights import prepare, prepare_tokenizer
+from kvnotes.models.wheels import WeightsError, cache_dir, fetch
 
 __all__ = [
     "FAMILIES",

@@ -126,9 +126,20 @@ class WeightsCheck:
     def digest(self) -> str | None:
         return weights_digest(self.files) if self.files else None
 
+    @property
+    def digest_source(self) -> str | None:
+        """Where `digest` comes from: hashed from the bytes just loaded, or the conversion's
+        record, trusted because the sizes and headers match it (tensor data not re-read)."""
+        if not self.files:
+            return None
+        if self.level == "size+header":
+            return f"recorded at {self.recorded}, not re-hashed at this load"
+        return "re-hashed at this load" if self.level == "sha256" else "hashed at this load (first record)"
+
     def provenance(self) -> dict[str, Any]:
         return {
             "weights_sha256": self.digest,
+            "weights_sha256_source": self.digest_source,
             "weights_verified": self.level,
             "weights_files": dict(self.files),
             "checksums_recorded": self.recorded,

@@ -9,6 +9,13 @@ values and both outcomes appear (as whole words), and each value is followed by 
 before the next value (or each outcome by its own value, for "answer {o0} when ... {v0}" forms).
 Polarity phrasings are one-sided by design ("{trigger} {field} is {v0}, ... {o0}; otherwise ...
 {o1}"): there the stated value must pair with its outcome and the other outcome must appear.
+
+Before any rendering, a phrasing may use only its declared placeholders, bare ({field} {v0} {v1}
+{o0} {o1}, and {trigger} in a polarity suite): no attribute or index access, conversion or spec.
+And no case may be stated by negation ("If {field} is not {v0}, ... {o0}", "Unless ...",
+"except when ..."): the pairing check reads the value next to its outcome and would take the
+negated case for the declared one, so a rule saying the opposite of its domain would pass.
+Polarity suites negate through their {trigger} word, never in the phrasing's own words.
 """
 
 from __future__ import annotations
@@ -16,10 +23,32 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvnotes.tasks.templates import Domain, banks
+from kvnotes.tasks.domains import Domain, banks, format_problem
 
 POLARITY_VARIANTS = ("polarity", "trigger")
 EXAMPLE = "If {field} is {v0}, the next action is {o0}. If {field} is {v1}, the next action is {o1}."
+PLACEHOLDERS = ("field", "v0", "v1", "o0", "o1")
+NEGATION = re.compile(r"\b(not|never|unless|except|neither|nor|other than)\b|\Bn't\b", re.IGNORECASE)
+
+
+def negation(template: str) -> str | None:
+    """The first negating word of a phrasing's own text (its placeholders left out), or None."""
+    m = NEGATION.search(re.sub(r"\{[^{}]*\}", " ", template))
+    return m.group(0) if m else None
+
+
+def template_problem(template: str, variant: str) -> str | None:
+    """What is wrong with a phrasing before it is rendered: a placeholder other than the declared
+    ones, or a case stated by negation; None when it may be rendered and checked."""
+    allowed = (*PLACEHOLDERS, "trigger") if variant in POLARITY_VARIANTS else PLACEHOLDERS
+    problem = format_problem(template, allowed)
+    if problem:
+        return problem
+    word = negation(template)
+    if word:
+        return (f"it states a case by negation ({word!r}), which the pairing check would read as "
+                "the case itself; state each value positively with its own outcome")
+    return None
 
 
 def rule_phrasings(domain: Domain, variant: str) -> list[str]:
@@ -79,6 +108,10 @@ def check_rules(suite_name: str, variant: str, domains: tuple[Domain, ...]) -> N
     one_sided = variant in POLARITY_VARIANTS
     for d in domains:
         for template in rule_phrasings(d, variant):
+            problem = template_problem(template, variant)
+            if problem:
+                raise ValueError(f"suite {suite_name!r}, domain {d.name!r}: rule {template!r}: {problem} "
+                                 f"(e.g. {EXAMPLE!r}; kvnotes/tasks/README.md, 'Adding a suite')")
             for order in (0, 1):
                 try:
                     text = fill_rule(template, d, order, trigger=banks()["triggers"][0])

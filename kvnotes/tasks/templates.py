@@ -10,17 +10,27 @@ suite is dropping one file here, or in a directory passed as `template_dirs`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from kvnotes.tasks.domains import (  # noqa: F401  (the data a suite is built from)
+    CONTEXT_FIELDS,
+    TEMPLATE_DIR,
+    Domain,
+    _read,
+    bank,
+    banks,
+    builtin_domains,
+    domain_from_dict,
+    domain_names,
+    format_problem,
+)
+from kvnotes.tasks.rules import check_rules
 
 log = logging.getLogger(__name__)
-TEMPLATE_DIR = Path(__file__).parent / "templates"
 Kind = Literal["gated", "skills", "memory", "agents"]
 Variant = Literal["field", "control", "polarity", "trigger"]
 KINDS: tuple[str, ...] = ("gated", "skills", "memory", "agents")
@@ -33,33 +43,6 @@ class UnknownSuiteError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class Domain:
-    """One gated decision: `values[i]` of `field` makes `outcomes[i]` the correct action."""
-
-    name: str
-    role: str
-    field: str
-    values: tuple[str, str]
-    outcomes: tuple[str, str]
-    requests: tuple[str, ...]
-    rules: tuple[str, ...] = ()
-    fillers: tuple[str, ...] = ()
-    distractors: tuple[str, ...] = ()
-    context: Mapping[str, str] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if len(self.values) != 2 or len(self.outcomes) != 2:
-            raise ValueError(f"domain {self.name!r}: exactly two values and two outcomes")
-        if len(set(self.values)) != 2 or len(set(self.outcomes)) != 2:
-            raise ValueError(f"domain {self.name!r}: values and outcomes must be distinct")
-        if not self.requests:
-            raise ValueError(f"domain {self.name!r}: at least one request")
-        for v in self.values:
-            if any(v in o for o in self.outcomes):
-                raise ValueError(f"domain {self.name!r}: value {v!r} appears in an outcome word")
 
 
 @dataclass(frozen=True)
@@ -98,53 +81,6 @@ class Suite:
             raise ValueError(f"suite {self.name!r}: kind {self.kind!r}; valid: {KINDS}")
         if self.variant not in VARIANTS:
             raise ValueError(f"suite {self.name!r}: variant {self.variant!r}; valid: {VARIANTS}")
-
-
-def _read(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a template file holds a mapping")
-    return data
-
-
-@functools.cache
-def banks() -> dict[str, Any]:
-    """The shared banks (_banks.yaml): rule phrasings, fillers, names, prompt frame."""
-    return _read(TEMPLATE_DIR / "_banks.yaml")
-
-
-@functools.cache
-def bank(name: str) -> dict[str, Any]:
-    """Any shared bank file `_<name>.yaml` (domains, skills, memory)."""
-    return _read(TEMPLATE_DIR / f"_{name}.yaml")
-
-
-def domain_from_dict(name: str, d: Mapping[str, Any]) -> Domain:
-    try:
-        return Domain(
-            name=name,
-            role=str(d["role"]),
-            field=str(d["field"]),
-            values=tuple(str(v) for v in d["values"]),  # type: ignore[arg-type]
-            outcomes=tuple(str(o) for o in d["outcomes"]),  # type: ignore[arg-type]
-            requests=tuple(d["requests"]),
-            rules=tuple(d.get("rules", ())),
-            fillers=tuple(d.get("fillers", ())),
-            distractors=tuple(d.get("distractors", ())),
-            context=dict(d.get("context", {})),
-        )
-    except KeyError as e:
-        raise ValueError(f"domain {name!r} lacks key {e.args[0]!r}") from None
-
-
-@functools.cache
-def builtin_domains() -> dict[str, Domain]:
-    return {n: domain_from_dict(n, d) for n, d in bank("domains").items()}
-
-
-def domain_names() -> list[str]:
-    return sorted(builtin_domains())
 
 
 def _suite_files(template_dirs: Sequence[str | Path] = ()) -> dict[str, Path]:
@@ -218,8 +154,6 @@ def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
         options=dict(data.get("options") or {}),
     )
     if suite.kind == "gated":
-        from kvnotes.tasks.rules import check_rules  # rules reads this module's banks
-
         check_rules(name, suite.variant, suite.domains)
     return suite
 

@@ -346,7 +346,7 @@ def test_server_group_dies_when_the_experiment_is_sigkilled(tmp_path):
             time.sleep(0.05)
         grandchild = _logged_child(log)
         members = _group(pgid)
-        assert pgid in members and grandchild in members and len(members) == 3  # watchdog, server, its child
+        assert pgid in members and grandchild in members and len(members) == 4  # watchdog, its sentinel, server, its child
         exp_proc.send_signal(signal.SIGKILL)
         exp_proc.wait(10)
         deadline = time.monotonic() + 5

@@ -20,33 +20,20 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from hydra import compose
-from tiny_runs import ROOT, SMALL, TINY, hydra_ready, read, selfcheck_cfg  # noqa: F401
+from tiny_runs import (  # noqa: F401
+    ROOT,
+    SMALL,
+    TINY,
+    hydra_ready,
+    interrupted_run,
+    read,
+    selfcheck_cfg,
+)
 
-import kvnotes.compose.splice
 import runner.main as runner
 from runner import rundir as output
 from runner.config import ConfigError
 from runner.rundir import RecordWriter, RunDirError, RunLock
-
-
-def interrupted_run(results: Path, monkeypatch) -> Path:
-    """A run dir whose first attempt stopped after one of three blocks (status interrupted)."""
-    real = kvnotes.compose.splice.self_check
-    calls = []
-
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(kvnotes.compose.splice, "self_check", flaky)
-    with pytest.raises(KeyboardInterrupt):
-        runner.run(selfcheck_cfg(results))
-    monkeypatch.undo()
-    (path,) = (results / "selfcheck" / "tiny-llama").iterdir()
-    assert read(path / "meta.json")["status"] == "interrupted"
-    return path
 
 
 def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

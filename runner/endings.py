@@ -1,0 +1,73 @@
+"""How a run ends: `interrupted` on SIGINT and SIGTERM, `failed` with one line on a full disk.
+
+SIGTERM is what a scheduler, `timeout` or `kill` sends. While a run is open it raises
+`Terminated` (a KeyboardInterrupt), so the run ends as Ctrl-C ends it: status `interrupted`,
+finished units kept, one line. The previous handler is restored when the run closes. A full,
+over-quota or read-only disk is the disk, not the code: the temporary files are removed, the
+status is recorded (over meta.json's own blocks when nothing new can be written) and the user
+sees one `error:` line instead of a chained traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from runner.files import RunDirError, disk_problem, remove_tmp
+from runner.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a run was open."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(f"signal {signal.Signals(signum).name}")
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises `Terminated` inside the block (main thread only; restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: Any = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def interrupted_line(e: KeyboardInterrupt) -> tuple[str, int]:
+    """What the command line prints for an interrupted run, and its exit status."""
+    how, code = (" (SIGTERM)", 143) if isinstance(e, Terminated) else ("", 130)
+    return f"interrupted{how}: finished units are on disk; rerun the same command to resume", code
+
+
+def record_end(rd: RunDir, status: str, error: str | None = None) -> None:
+    """The run's final status on disk, or one logged line when even that cannot be written."""
+    try:
+        rd.set_status(status, error=error)
+    except OSError as e:
+        log.error("could not record status %s in %s: %s", status, rd.path / "meta.json", e.strerror or e)
+
+
+def disk_failure(rd: RunDir, e: BaseException) -> RunDirError | None:
+    """For a full, over-quota or read-only disk: the run marked failed, its temporary files
+    removed, and the one-line error to raise; None for any other exception."""
+    problem = disk_problem(e)
+    if problem is None:
+        return None
+    remove_tmp(rd.path)
+    where = f" ({getattr(e, 'filename', None)})" if getattr(e, "filename", None) else ""
+    fix = "make it writable" if "read-only" in problem.lower() else "free space"
+    record_end(rd, "failed", error=f"{problem}{where}")
+    return RunDirError(f"{rd.path}: {problem}{where}; the run is marked failed and its finished "
+                       f"units are kept: {fix} and rerun the same command to resume")
