@@ -32,7 +32,7 @@ timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios o
   cosine to the full prefill), and the FLOP ceiling of the K = 4 share (`multiblock_flop_ceiling`:
   limit FLOPs / transplant FLOPs; the 8 x 4 seam tokens are work the limit does not do, so no
   K = 4 transplant can reach a share above it). The one-block path has its ceiling too.
-  `--kvboost PYTHON` runs kvboost 0.9.0 as it ships (its own venv, experiments/_kvboost_worker.py)
+  `--kvboost PYTHON` runs kvboost 0.9.0 as it ships (its own venv, experiments/shared/kvboost_worker.py)
   on the same eight-block prompt, `--reps` times per mode: its `none`, `selective` and `cacheblend`
   strategies, each TTFT (wall clock from the call to the first token) against kvboost's own full
   prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`).

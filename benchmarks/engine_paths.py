@@ -211,7 +211,7 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
 
 
 def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
-    from experiments.compose_scaling import question_ids, skill_ids
+    from experiments.shared.skill_prompts import question_ids, skill_ids
 
     prefix, question = question_ids(model.tokenizer, "refund", model.chat)
     block = skill_ids(model.tokenizer, "refund", length, seed=0)
@@ -223,7 +223,7 @@ MULTI_EXTRA_SEAMS = (0, 1)  # the eight-block splice also without repair and wit
 
 def multiblock_prompt(model: Any, length: int) -> tuple[list[int], list[list[int]], list[int]]:
     """(system prefix, eight skill blocks of length/8 tokens, question) of the eight-block workload."""
-    from experiments.compose_scaling import question_ids, skill_ids
+    from experiments.shared.skill_prompts import question_ids, skill_ids
     from kvnotes.tasks.skills import skill_names
 
     names = skill_names()
@@ -246,7 +246,7 @@ def kvboost_multiblock(model: Any, length: int, python: str, reps: int) -> dict[
     """kvboost as it ships on the eight-block prompt (its own venv): per mode, over `reps` items
     after one warm-up item, the median of its own full prefill's wall-clock TTFT over the mode's,
     and the median first-token logit cosine of the mode to that prefill."""
-    from experiments._kvboost import run_worker
+    from experiments.shared.kvboost import run_worker
     from kvnotes.measure.metrics import logit_cosine
 
     prefix, blocks, question = multiblock_prompt(model, length)

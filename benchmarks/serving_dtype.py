@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from experiments import _vllm_client as client  # noqa: E402
-from experiments import _vllm_server as server  # noqa: E402
 from kvnotes.models import weights  # noqa: E402
+from serving import client, server  # noqa: E402
 
 WORDS = "alpha river stone cloud maple ticket harbor lantern copper violet meadow signal garden window".split()
 

@@ -32,7 +32,7 @@ from kvnotes.measure.timing import timed, torch_threads
 from kvnotes.tasks.agents import build_scenarios, render
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
     from kvnotes.engine.cache import KVCache
     from kvnotes.models import LoadedModel
     from kvnotes.tasks.agents import AgentScenario

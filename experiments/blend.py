@@ -7,7 +7,7 @@ K tokens of every block: EPIC's LegoLink, the same method under both names); Cac
 neighbours); note-aware repair r (each block's aggregator tokens, the paper's account as a
 method, alone and with each block's first tokens bought first) at CacheBlend's budgets
 (kvnotes.compose.blend); optionally kvboost as it ships, in its own venv
-(experiments/_kvboost_worker.py). Workloads (experiments/_blend_workloads.py): skills, RAG-style
+(experiments/shared/kvboost_worker.py). Workloads (experiments/shared/workloads.py): skills, RAG-style
 memory notes, LoCoMo sessions. Per item and method: logit cosine, top-1, KL(full || method),
 decision agreement (LoCoMo: same normalised answer), task score (decision correct; LoCoMo token
 F1 of a greedy answer), recompute fraction (block tokens recomputed / block tokens) and TTFT
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from experiments import _blend_workloads as wl
-from experiments._kvboost import KvboostConfig, kvboost_records, resolve
+from experiments.shared import workloads as wl
+from experiments.shared.kvboost import KvboostConfig, kvboost_records, resolve
 from kvnotes.compose import blend
 from kvnotes.compose import splice as compose
 from kvnotes.compose.blend import Method
@@ -43,8 +43,8 @@ from kvnotes.tasks import locomo
 if TYPE_CHECKING:
     import torch
 
-    from experiments._blend_workloads import BlendItem
-    from experiments._context import Context
+    from experiments.shared.context import Context
+    from experiments.shared.workloads import BlendItem
     from kvnotes.models import LoadedModel
 
 log = logging.getLogger(__name__)

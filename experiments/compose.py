@@ -31,7 +31,7 @@ from kvnotes.measure.timing import torch_threads
 from kvnotes.tasks import build_suite
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
     from kvnotes.models import LoadedModel
     from kvnotes.tasks import TaskItem
 

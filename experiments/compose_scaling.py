@@ -31,7 +31,6 @@ ratios.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ import pandas as pd
 import torch
 
 from experiments.shared.gate import GateConfig, gate_summary, run_gate
+from experiments.shared.skill_prompts import question_ids, skill_ids
 from kvnotes.compose import splice as compose
 from kvnotes.compose.store import block_path, load_block, save_block
 from kvnotes.engine import run as engine
@@ -51,20 +51,14 @@ from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import ci_dict, logit_cosine
 from kvnotes.measure.timing import keep_freed_memory, timed, torch_threads
 from kvnotes.measure.timing import measure as timed_measure
-from kvnotes.tasks import filler
-from kvnotes.tasks.skills import skills
-from kvnotes.tasks.tokens import encode, frame
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
     from kvnotes.models import LoadedModel
 
 log = logging.getLogger(__name__)
 # The paper's TTFT speedups (Qwen3-8B, GPU), by approximate skill length in tokens.
 PAPER_SPEEDUP = {500: 1.16, 2000: 3.01, 8000: 9.8, 16000: 10.58, 32000: 13.93}
-INTRO = "You are an operations agent. Apply the skill that matches the request.\n\n"
-TASK = "Reply with the name of the tool only."
-ANSWER_PREFIX = "Next action:"
 
 
 PROMPT_AROUND = 128  # tokens of system prefix + question around the skill block (bound; see question_ids)
@@ -122,34 +116,6 @@ def cache_mb(cache: Any) -> float:
 
 
 # --- the paths ------------------------------------------------------------------------------
-
-
-def skill_ids(tok: Any, skill: str, length: int, seed: int) -> list[int]:
-    """Exactly `length` ids: the skill's header and rule amid its guidelines and filler lines."""
-
-    s = skills()[skill]
-    rule = s.rule.format(o0=s.outcomes[0], o1=s.outcomes[1])
-    head, rule_ids = encode(tok, f"### Skill: {s.title}\n"), encode(tok, f"- Rule: {rule}\n")
-    ids = list(head)
-    k = 0
-    while len(ids) < length:  # filler lines from ever new seeds until the budget is met
-        stream = filler.filler_stream(random.Random(f"{skill}:{seed}:{k}"), s.guidelines)
-        lines = filler.fit(tok, stream, length)
-        if k == 0:
-            lines.insert(len(lines) // 8, f"- Rule: {rule}\n")
-        for line in lines:
-            ids += rule_ids if line.startswith("- Rule:") else encode(tok, line)
-        k += 1
-    return ids[:length]
-
-
-def question_ids(tok: Any, skill: str, chat: bool) -> tuple[list[int], list[int]]:
-    """(system prefix ids, question ids) around the skill, with the chat frame when there is one."""
-
-    fr = frame(tok, chat)
-    s = skills()[skill]
-    q = s.question.format(value=s.values[1])
-    return encode(tok, fr.head + INTRO), encode(tok, fr.mid + q + "\n" + TASK + fr.tail + ANSWER_PREFIX)
 
 
 def one_length(

@@ -34,7 +34,7 @@ from kvnotes.tasks.distance import build_distance_suite
 from kvnotes.tasks.item import TaskItem
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
     from kvnotes.edit.patching import PatchPair
     from kvnotes.models import LoadedModel
 

@@ -28,7 +28,7 @@ from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA, Editor, EditState
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 # every registered strategy; the oracle is always read beside them (it is the reference)
 STRATEGIES = tuple(n for n in registry.names() if n != "oracle")

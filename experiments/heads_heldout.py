@@ -44,7 +44,7 @@ from probes.parts.heads import all_heads, head_records, rank_heads, single_effec
 from probes.parts.readouts import paired_difference, per_item
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 log = logging.getLogger(__name__)
 RANKINGS = ["attention", "effect", "effect_heldout"]

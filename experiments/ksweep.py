@@ -14,7 +14,7 @@ from experiments.shared.edits import drive, summarize_states
 from kvnotes.edit.strategies import Editor, EditState
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 
 @dataclass

@@ -39,7 +39,7 @@ from kvnotes.tasks.templates import banks
 from kvnotes.tasks.tokens import encode, frame
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
     from kvnotes.models import LoadedModel
     from kvnotes.tasks import TaskItem
     from kvnotes.tasks.locomo import Conversation

@@ -23,7 +23,7 @@ from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import bootstrap_ci, proportion_ci
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 log = logging.getLogger(__name__)
 

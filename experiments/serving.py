@@ -4,7 +4,7 @@ A gated task item rendered with the chat template is the live context on a vLLM 
 prefix caching; a request sets its field to a value and reaches the model as an in-prefix edit
 (with a fresh request id: every request a new state), an in-prefix edit of the field only
 (edit_field: the item's own text, repeated once both values have been sent), an appended
-erratum, or the field hoisted before the request (experiments/_serving_prompts.py). Phases:
+erratum, or the field hoisted before the request (serving/prompts.py). Phases:
 
 * items: for each of `n_items` items, its live context is prefilled (and its decision read),
   then each decision variant x value is sent once, one at a time: P(correct) of the served
@@ -13,7 +13,7 @@ erratum, or the field hoisted before the request (experiments/_serving_prompts.p
   the in-prefix edit's service time;
 * poisson: seeded Poisson arrivals at rates the edit sustains (`rates`, else utilization/S),
   no cap, so no request is censored; sent by vLLM's own `vllm bench serve` (our prompts as its
-  custom dataset; experiments/_vllm_bench.py) unless `poisson_driver=client`;
+  custom dataset; serving/bench.py) unless `poisson_driver=client`;
 * overload: one rate above what the edit sustains (`overload_factor`/S), capped at
   `max_phase_s`: requests open at the cap are cancelled and counted as censored at their lower
   bound, so the edit's TTFT quantiles and the ratios against them are lower bounds. This
@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from experiments import _vllm_bench as bench
-from experiments import _vllm_client as client
-from experiments import _vllm_server as server
-from experiments._serving_prompts import (
+from kvnotes import tasks
+from kvnotes.edit.strategies import ERRATA
+from kvnotes.errors import ConfigError
+from kvnotes.measure import timing
+from serving import bench, client, server
+from serving.prompts import (
     VALUES,
     VARIANTS,
     Prompts,
@@ -53,15 +55,11 @@ from experiments._serving_prompts import (
     which_of,
     with_request,
 )
-from experiments._serving_summary import service_time
-from experiments._serving_summary import summarize as _summarize
-from kvnotes import tasks
-from kvnotes.edit.strategies import ERRATA
-from kvnotes.errors import ConfigError
-from kvnotes.measure import timing
+from serving.summary import service_time
+from serving.summary import summarize as _summarize
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 __all__ = ["CONFIG", "NAME", "Prompts", "ServingConfig", "decision_of", "drop_line", "request_at",
            "request_id", "run", "set_line", "summarize", "which_of", "with_request"]
@@ -391,7 +389,7 @@ class _server:
 
 
 def summarize(records: list[dict[str, Any]], cfg: ServingConfig) -> dict[str, Any]:
-    """experiments/_serving_summary.py: per variant and phase, the ratios and the decisions."""
+    """serving/summary.py: per variant and phase, the ratios and the decisions."""
     model = next((str(r["served_model"]) for r in records if r.get("served_model")), "the model")
     return _summarize(records, cfg.length, cfg.block_size, model)
 

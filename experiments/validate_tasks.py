@@ -24,7 +24,7 @@ from kvnotes.tasks.scoring import decision_logits, score_item
 from kvnotes.tasks.validate import record, usable_ids
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 USABLE_IDS = "usable_ids.json"
 

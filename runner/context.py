@@ -1,5 +1,5 @@
 """The runner's side of a job: the model it loads, the task items it builds, the Context an
-experiment receives (the shape of experiments._context.Context)."""
+experiment receives (the shape of experiments.shared.context.Context)."""
 
 from __future__ import annotations
 

@@ -14,11 +14,12 @@ MAX_LINES = 410  # "about 400": a module past it is split by what it holds
 ENTRY_FILES = {"experiments/run.py", "experiments/summarize.py"}  # the runner's documented commands
 # folder -> top-level packages it must never import (statically, anywhere in a module)
 FORBIDDEN = {
-    "kvnotes": {"probes", "experiments", "runner", "analysis", "benchmarks", "hydra", "omegaconf"},
-    "probes": {"experiments", "runner", "analysis", "benchmarks", "hydra", "omegaconf"},
+    "kvnotes": {"probes", "experiments", "runner", "analysis", "benchmarks", "serving", "hydra", "omegaconf"},
+    "probes": {"experiments", "runner", "analysis", "benchmarks", "serving", "hydra", "omegaconf"},
+    "serving": {"probes", "experiments", "runner", "analysis", "benchmarks", "hydra", "omegaconf"},
     "experiments": {"runner", "analysis", "benchmarks"},
     "runner": {"analysis", "benchmarks"},
-    "analysis": {"probes", "experiments", "runner", "benchmarks"},
+    "analysis": {"probes", "experiments", "runner", "benchmarks", "serving"},
 }
 
 
@@ -137,7 +138,7 @@ def forward_calls(path: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "analysis", "benchmarks"])
+@pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "serving", "analysis", "benchmarks"])
 def test_only_the_engine_calls_a_models_forward(folder):
     found = []
     for path in modules(folder):
@@ -181,7 +182,7 @@ def test_import_scan_sees_function_level_imports(tmp_path):
     assert imported(src) == {"experiments", "hydra"}
 
 
-@pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "analysis", "benchmarks"])
+@pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "serving", "analysis", "benchmarks"])
 def test_no_module_over_about_400_lines(folder):
     long = {rel(p): n for p in modules(folder) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by what they hold: {long}"
@@ -231,5 +232,24 @@ def test_model_parameters_are_typed(folder):
 
 def test_mypy_checks_every_def_of_the_library_jobs_and_runner():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
-    assert set(cfg["packages"]) >= {"kvnotes", "probes", "experiments", "runner"}
+    assert set(cfg["packages"]) >= {"kvnotes", "probes", "experiments", "runner", "serving"}
     assert cfg["disallow_untyped_defs"] is True and cfg["warn_unused_ignores"] is True
+
+
+def test_no_job_module_is_imported_as_a_library():
+    """What jobs share lives in experiments/shared, probes/parts, serving/ or the library: a
+    module that defines a job is imported only by the runner's discovery (and by tests)."""
+    from runner import jobs
+
+    job_modules = set(jobs.discover())
+    found = []
+    for folder in ("kvnotes", "probes", "experiments", "serving", "analysis", "benchmarks", "runner"):
+        for path in modules(folder):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                found += [f"{rel(path)}: {n}" for n in names if n in job_modules and n != module_name(path)]
+    assert not found, found

@@ -192,7 +192,7 @@ def test_extra_seams_get_their_own_speedup_share_and_the_flop_ceiling(tmp_path):
 
 
 def test_kvboost_side_by_side_reads_the_worker_after_its_warm_up_item(monkeypatch):
-    from experiments import _kvboost
+    from experiments.shared import kvboost as _kvboost
 
     m = tiny_model("llama")
     monkeypatch.setattr(workloads, "multiblock_prompt", lambda model, n: ([1, 2], [[3, 4, 5], [6, 7, 8]], [9, 10]))

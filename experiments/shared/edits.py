@@ -15,7 +15,7 @@ from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide, outcome_logits, score
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 
 class CotOptions(Protocol):

@@ -17,7 +17,7 @@ from kvnotes.compose import splice
 from kvnotes.errors import ConfigError
 
 if TYPE_CHECKING:
-    from experiments._context import Context
+    from experiments.shared.context import Context
 
 SENTENCES = (
     "Refunds are issued only for orders that have not yet shipped.",

@@ -278,7 +278,7 @@ def test_no_go_stops_the_run_unless_forced(tmp_path, model, monkeypatch):
 
 
 def test_memory_notes_hold_the_fact_in_a_varying_block(model):
-    from experiments._blend_workloads import memory_items
+    from experiments.shared.workloads import memory_items
 
     items = memory_items(model.tokenizer, True, 8, 4, 60, 0)
     tok = model.tokenizer
@@ -292,7 +292,7 @@ def test_memory_notes_hold_the_fact_in_a_varying_block(model):
 
 
 def test_locomo_items_hold_the_evidence_sessions(model):
-    from experiments._blend_workloads import locomo_items
+    from experiments.shared.workloads import locomo_items
 
     items = locomo_items(str(FIXTURE), model.tokenizer, True, 10, 2, 400, 0)
     assert items and all(len(it.layout.blocks) == 2 and it.gold for it in items)
@@ -305,8 +305,8 @@ def test_locomo_items_hold_the_evidence_sessions(model):
 
 
 def test_kvboost_rows_score_its_output_against_its_baseline(model):
-    from experiments._blend_workloads import BlendItem
-    from experiments._kvboost import KvboostConfig, kvboost_configs, kvboost_rows
+    from experiments.shared.kvboost import KvboostConfig, kvboost_configs, kvboost_rows
+    from experiments.shared.workloads import BlendItem
 
     lay = layout(model.tokenizer)
     item = BlendItem("x/0", "skills", lay, decision_ids=(5, 9), correct_id=9)
@@ -341,8 +341,8 @@ def _kvboost_python() -> Path | None:
 
 @pytest.mark.skipif(_kvboost_python() is None, reason="no kvboost venv (.venv-kvboost or $KVBOOST_PYTHON)")
 def test_kvboost_worker_runs_as_it_ships(model, tmp_path):
-    from experiments._blend_workloads import skills_items
-    from experiments._kvboost import kvboost_records
+    from experiments.shared.kvboost import kvboost_records
+    from experiments.shared.workloads import skills_items
 
     folder = tmp_path / "tiny"
     model.hf.save_pretrained(folder)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import _vllm_server as server
-from experiments._watchdog import group_members
+from serving import server
+from serving.watchdog import group_members
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG: Linux")
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ EXPERIMENT = """
 import sys
 sys.path.insert(0, {root!r})
 from types import SimpleNamespace
-from experiments import _kvboost
+from experiments.shared import kvboost as _kvboost
 _kvboost.run_worker({python!r}, SimpleNamespace(source_path="unused"), {{}}, [], 64, 300)
 """
 
@@ -107,7 +107,7 @@ def test_the_kvboost_worker_dies_with_the_experiment(tmp_path):
 
 
 def test_run_guarded_returns_the_output_and_kills_the_group_on_timeout(tmp_path):
-    from experiments._guard import run_guarded
+    from serving.guard import run_guarded
 
     done = run_guarded([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); "
                         "raise SystemExit(3)"], timeout=60)

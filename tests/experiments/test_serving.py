@@ -19,11 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from experiments import _vllm_bench as vbench
-from experiments import _vllm_client as client
-from experiments import _vllm_server as server
 from experiments import serving as exp
 from experiments.agent import common_prefix
+from serving import bench as vbench
+from serving import client, server
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".venv-serving" / "bin" / "python"
@@ -303,8 +302,8 @@ STAND_IN_SERVER = ("import subprocess, sys, time; "
 EXPERIMENT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from experiments import _vllm_bench as vbench
-from experiments import _vllm_server as server
+from serving import bench as vbench
+from serving import server
 
 class Cmd(server.ServerSpec):
     def argv(self, port):
@@ -324,7 +323,7 @@ def _logged_child(log: Path) -> int:
 
 
 def _group(pgid: int) -> list[int]:
-    from experiments._watchdog import group_members
+    from serving.watchdog import group_members
 
     return group_members(pgid)
 
@@ -363,7 +362,7 @@ def test_server_group_dies_when_the_experiment_is_sigkilled(tmp_path):
 def test_watchdog_exits_with_the_command_and_refuses_bad_usage(tmp_path):
     import subprocess
 
-    from experiments._vllm_server import WATCHDOG
+    from serving.server import WATCHDOG
 
     ok = subprocess.run([sys.executable, str(WATCHDOG), str(os.getpid()), "--", sys.executable, "-c",
                          "raise SystemExit(7)"], timeout=30)
@@ -553,7 +552,7 @@ def test_stats_split_first_seen_prompts_from_repeats():
 
 
 def test_rates_are_derived_from_the_edit_service_time():
-    from experiments._serving_summary import service_time
+    from serving.summary import service_time
 
     cfg = exp.ServingConfig(length=1000, max_model_len=2048)
     rows = [req("edit", i, t, phase="sequential", rate=math.nan) for i, t in enumerate([19.9, 24.9, 29.9])]

@@ -1,7 +1,7 @@
 """Run a command so that it cannot outlive the process that started it (Linux), even when that
 process is killed with SIGKILL and has no chance to clean up.
 
-    python _watchdog.py PARENT_PID -- COMMAND...
+    python watchdog.py PARENT_PID -- COMMAND...
 
 The watchdog is started as the leader of a new session and process group; the command is its
 child, in the same group, and so are the command's own children (vLLM's engine processes). The
@@ -16,7 +16,7 @@ watchdog the same way (death signal plus a getppid poll) and kills the whole gro
 dies; the watchdog kills the group when the sentinel dies. SIGKILL to any one process of the
 guard takes the whole group down. When the command exits, the watchdog kills what is left of the
 group (the sentinel included) and exits with the command's status. SIGINT and a SIGTERM while the parent lives are
-ignored: the owner stops the server by signalling the whole group (experiments/_vllm_server.py).
+ignored: the owner stops the server by signalling the whole group (serving/server.py).
 
 Standard library only, run by path: it must not import the project.
 """
@@ -106,7 +106,7 @@ def exited(pid: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        sys.stderr.write("usage: _watchdog.py PARENT_PID -- COMMAND...\n")
+        sys.stderr.write("usage: watchdog.py PARENT_PID -- COMMAND...\n")
         return 2
     parent, cmd = int(argv[1]), argv[3:]
     if os.getpgrp() != os.getpid():  # never kill a group we were merely born into

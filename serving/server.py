@@ -1,10 +1,10 @@
 """The vLLM server process of the serving benchmark (experiment `serving`): started on a free
 loopback port from its own venv, waited for, and always stopped (process group, SIGINT then
 SIGKILL), also when the experiment is interrupted, and also when it is killed outright: the
-server runs under experiments/_watchdog.py, the leader of its process group, which the kernel
+server runs under serving/watchdog.py, the leader of its process group, which the kernel
 signals when the experiment dies (PR_SET_PDEATHSIG) and which then kills the whole group (as its
 sentinel does if the watchdog alone is killed: vLLM's EngineCore and Worker go too).
-The client side: experiments/_vllm_client.py.
+The client side: serving/client.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from experiments._guard import WATCHDOG as WATCHDOG
-from experiments._guard import spawn_guarded as spawn_guarded
-from experiments._vllm_client import get
+from serving.client import get
+from serving.guard import WATCHDOG as WATCHDOG
+from serving.guard import spawn_guarded as spawn_guarded
 
 # --- The server process -----------------------------------------------------------------------
 

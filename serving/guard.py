@@ -1,8 +1,8 @@
 """Child processes of an experiment that cannot outlive it: each runs under
-experiments/_watchdog.py, the leader of its own session and process group, which the kernel
+serving/watchdog.py, the leader of its own session and process group, which the kernel
 signals when the experiment dies (PR_SET_PDEATHSIG) and which then kills the whole group; a
 sentinel in the group does the same if the watchdog itself is killed. Used for the vLLM server
-(experiments/_vllm_server.py) and the kvboost worker (experiments/_kvboost.py).
+(serving/server.py) and the kvboost worker (experiments/shared/kvboost.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-WATCHDOG = Path(__file__).with_name("_watchdog.py")
+WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
 def guarded_argv(argv: list[str]) -> list[str]:

@@ -1,6 +1,6 @@
 """Run kvboost (PyPI, MIT) as it ships on prompts given by experiments/blend.py; its own venv.
 
-    <kvboost venv>/bin/python experiments/_kvboost_worker.py job.json out_dir
+    <kvboost venv>/bin/python experiments/shared/kvboost_worker.py job.json out_dir
 
 This file imports only the standard library, numpy, torch, transformers and kvboost, so it runs
 in the venv where kvboost and its dependencies live (never in the main environment). The model
@@ -97,5 +97,5 @@ def main(job_path: str, out_dir: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python experiments/_kvboost_worker.py job.json out_dir")
+        sys.exit("usage: python experiments/shared/kvboost_worker.py job.json out_dir")
     raise SystemExit(main(sys.argv[1], sys.argv[2]))

@@ -12,8 +12,8 @@ at a phase's cap are cancelled (their stream closed, so vLLM aborts them) and ke
 The Prometheus text is parsed here (30 lines, tested on vLLM's output) because the project's
 environment has no prometheus_client; nothing else is hand-written HTTP. Proxies from the
 environment are not used (trust_env=False): the server is ours, on 127.0.0.1, unless given a URL.
-The server process: experiments/_vllm_server.py; vLLM's own load generator:
-experiments/_vllm_bench.py.
+The server process: serving/server.py; vLLM's own load generator:
+serving/bench.py.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments._serving_prompts import VALUES, VARIANTS
 from kvnotes.measure.metrics import prop_dict
+from serving.prompts import VALUES, VARIANTS
 
 Row = Mapping[str, Any]
 MEASURES = {  # summary.json carries this: what each number of results / ratios / decisions is

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments._vllm_client import Completion, Sent
-from experiments._vllm_server import spawn_guarded
+from serving.client import Completion, Sent
+from serving.server import spawn_guarded
 
 # `vllm bench serve ARGS`, without the console script (module docstring)
 ENTRY = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "

@@ -1,5 +1,5 @@
 """kvboost (PyPI, MIT) in experiment `blend`, run as it ships: the job for its worker
-(experiments/_kvboost_worker.py, in kvboost's own venv), and the worker's output scored like
+(experiments/shared/kvboost_worker.py, in kvboost's own venv), and the worker's output scored like
 our own methods.
 """
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from experiments._guard import run_guarded
 from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 from kvnotes.tasks import locomo
+from serving.guard import run_guarded
 
 if TYPE_CHECKING:
-    from experiments._blend_workloads import BlendItem
+    from experiments.shared.workloads import BlendItem
     from kvnotes.models import LoadedModel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve(path: str) -> Path:
@@ -68,10 +68,10 @@ def kvboost_records(model: LoadedModel, items: list[BlendItem], kb: KvboostConfi
 def run_worker(python: str, model: LoadedModel, confs: dict[str, dict[str, Any]], items: list[dict[str, Any]],
                chunk_size: int, timeout_s: float
                ) -> tuple[list[dict[str, Any]], dict[tuple[str, str], torch.Tensor]]:
-    """Run experiments/_kvboost_worker.py in kvboost's venv on `items` ({key, text, context_text,
+    """Run experiments/shared/kvboost_worker.py in kvboost's venv on `items` ({key, text, context_text,
     max_new_tokens}) with each of `confs` (name -> strategy settings): its result lines and the
     first-token logits per (key, config), the baseline (its full prefill) included. The worker
-    runs under the watchdog (experiments/_guard.py): it and its children die with this process."""
+    runs under the watchdog (serving/guard.py): it and its children die with this process."""
     py = resolve(python)
     if not py.exists():
         raise RuntimeError(f"kvboost python {py} not found: python -m venv .venv-kvboost && "
@@ -80,7 +80,7 @@ def run_worker(python: str, model: LoadedModel, confs: dict[str, dict[str, Any]]
            "configs": [{"name": n, **c} for n, c in confs.items()], "items": items}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "job.json").write_text(json.dumps(job))
-        proc = run_guarded([str(py), str(ROOT / "experiments" / "_kvboost_worker.py"), f"{tmp}/job.json",
+        proc = run_guarded([str(py), str(Path(__file__).with_name("kvboost_worker.py")), f"{tmp}/job.json",
                             f"{tmp}/out"], timeout=timeout_s)  # dies with this process, however it dies
         if proc.returncode != 0:
             raise RuntimeError(f"kvboost worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
