@@ -156,7 +156,7 @@ def build_items(ctx: Context) -> list[TaskItem]:
 
 def run(ctx: Context) -> None:
     params: DistanceConfig = ctx.params
-    margin = float(ctx.cfg.model.margin if params.margin is None else params.margin)
+    margin = float(ctx.model.margin if params.margin is None else params.margin)
     items = {f"item-{it.item_id}": it for it in build_items(ctx)}
     longest = max((it.n_tokens for it in items.values()), default=0)
     if longest:  # these prompts, not the task's length, set the peak: checked before any forward

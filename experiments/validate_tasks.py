@@ -63,7 +63,7 @@ def summarize(records: list[dict[str, Any]], cfg: ValidateTasksConfig) -> dict[s
 def run(ctx: Context) -> None:
 
     params: ValidateTasksConfig = ctx.params
-    margin = ctx.cfg.model.margin if params.margin is None else params.margin
+    margin = ctx.model.margin if params.margin is None else params.margin
     items = ctx.items()
     by_key = {f"item-{it.item_id}": it for it in items}
     if len(by_key) != len(items):

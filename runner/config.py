@@ -20,6 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
+from kvnotes.measure import margins
 from runner import jobs
 from runner.bounds import number_problem
 
@@ -40,7 +41,10 @@ class ModelConfig:
 
     name: str = MISSING
     dtype: str = "auto"  # auto: the registry's default dtype for this model
-    margin: float = 1.0  # minimum |score_new - score_old| for an item to count as usable
+    # minimum |score_new - score_old| for an item to count as usable; None: the model's own
+    # (kvnotes.measure.margins.margin_of, the one source), filled in here so that every path,
+    # the saved config and the run's hash carry the number the run judges by
+    margin: float | None = None
     chat: bool = True  # apply the chat template when the tokenizer has one
     tiny_family: str | None = None  # tests: a tiny random model of this family, no weights
 
@@ -64,6 +68,8 @@ class ModelConfig:
             except UnknownModelError as e:
                 raise ConfigError(f"model.name: {e}") from None
         _check_dtype(self.dtype, "model.dtype")
+        if self.margin is None:
+            self.margin = margins.margin_of(self.name)
         if not self.margin >= 0:
             raise ConfigError(f"model.margin must be >= 0, got {self.margin}")
 

@@ -30,15 +30,13 @@ def load(cfg: RunConfig) -> LoadedModel:
     if cfg.model.tiny_family is None:
         model = load_model(cfg.model.name, device=cfg.device, dtype=dtype, cache=cfg.cache_dir,
                            verify_weights=cfg.verify_weights)
-        assert model.spec is not None  # a registered model always has its spec
-        spec = dataclasses.replace(model.spec, margin=cfg.model.margin)  # probes read spec.margin
-        return dataclasses.replace(model, spec=spec)
+        return model.with_margin(cfg.model.margin)  # probes and experiments read model.margin
     from kvnotes.models.tiny import tiny_model
 
     device = resolve_device(cfg.device)
     model = tiny_model(cfg.model.tiny_family, seed=cfg.seed, dtype=resolve_dtype(dtype, device=device))
     model.hf.to(device)
-    return model
+    return model.with_margin(cfg.model.margin)
 
 
 def use_chat(cfg: RunConfig, model: LoadedModel) -> bool:

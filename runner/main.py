@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
@@ -152,6 +152,8 @@ def run(cfg: DictConfig) -> Path:
     from kvnotes.models import resolve_device
 
     device = str(resolve_device(job.cfg.device))
+    with open_dict(cfg):  # the margin the run judges by, resolved (kvnotes.measure.margins), is saved
+        cfg.model.margin = job.cfg.model.margin
     chash = config_hash(cfg, device)
     meta = {
         "kind": job.kind,

@@ -63,7 +63,7 @@ def state_records(item: TaskItem, oracle: EditState, stale: EditState, states: S
 
 
 def _margin(ctx: Context, margin: float | None) -> float:
-    return float(ctx.cfg.model.margin if margin is None else margin)
+    return float(ctx.model.margin if margin is None else margin)
 
 
 def _with_cot(item: TaskItem, ed: Editor, oracle: EditState, stale: EditState, states: list[EditState],

@@ -85,6 +85,16 @@ DERIVED: dict[str, Derivation] = {
         source="validate_tasks gated-control, 400 tokens, seed 0, commit 1cbd107"),
 }
 
+HAND_MARGIN = 1.0  # a model without a recorded derivation, until one is derived
+
+
+def margin_of(model: str) -> float:
+    """The margin a model's runs judge items by unless the run overrides it (model.margin=X):
+    its recorded derivation, else HAND_MARGIN. The one source of the number (the registry's
+    ModelSpec.margin, the runner's model config and the probes all read it from here)."""
+    d = DERIVED.get(model)
+    return d.margin if d is not None else HAND_MARGIN
+
 
 def describe(model: str, dtype: str, margin: float) -> str:
     """One line for a summary: the margin, where it came from, and the rule."""

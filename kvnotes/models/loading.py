@@ -16,13 +16,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from kvnotes.measure import margins
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
 from kvnotes.models.integrity import WeightsCheck, safetensors_header
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec
@@ -111,7 +112,22 @@ class LoadedModel:
     # positions a forward through kvnotes.engine.run may reach: load_model sets the config's
     # max_position_embeddings; None (wrap_model, tiny random models): not checked
     max_positions: int | None = None
+    # the run's decision margin when it overrides the model's (with_margin); None: margin_of(name)
+    margin_override: float | None = None
     _nnsight: Any = field(default=None, repr=False)
+
+    @property
+    def margin(self) -> float:
+        """Minimum |score_new - score_old| for an item to count as usable: the run's setting
+        (with_margin, which the runner calls with model.margin), else the derivation recorded
+        in kvnotes.measure.margins for this model, else its hand default."""
+        if self.margin_override is not None:
+            return self.margin_override
+        return margins.margin_of(self.spec.name if self.spec is not None else self.name)
+
+    def with_margin(self, margin: float | None) -> LoadedModel:
+        """This model judged by `margin` (None: the model's own)."""
+        return self if margin is None else replace(self, margin_override=float(margin))
 
     @property
     def device(self) -> torch.device:

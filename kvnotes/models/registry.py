@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvnotes.measure import margins
+
 
 @dataclass(frozen=True)
 class WheelPart:
@@ -39,8 +41,6 @@ class ModelSpec:
     license: str = ""
     chat: bool = True  # instruction-tuned with a chat template
     default_dtype: str = "float32"
-    margin: float = 1.0  # minimum |score_new - score_old| for an item to count as usable;
-    # derived by the rule of kvnotes.measure.margins where the model has a recorded derivation, else by hand
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,6 +50,12 @@ class ModelSpec:
             raise ValueError(f"hub model {self.name!r} needs a hub_id")
         if self.source == "local" and not self.path:
             raise ValueError(f"local model {self.name!r} needs a path")
+
+    @property
+    def margin(self) -> float:
+        """Minimum |score_new - score_old| for an item to count as usable: the derivation
+        recorded in kvnotes.measure.margins, else its hand default (one source for every path)."""
+        return margins.margin_of(self.name)
 
     @property
     def pip_download_command(self) -> str:
@@ -105,7 +111,6 @@ register(
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_bytes=98362432,
         license="Apache-2.0",
-        margin=0.03,  # kvnotes.measure.margins: 3 x control RMS 0.0099 (48 gated-control items, fp32)
     )
 )
 register(
@@ -126,7 +131,6 @@ register(
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         license="Gemma Terms of Use",
         chat=False,
-        margin=0.02,  # kvnotes.measure.margins: 3 x control RMS 0.0054 (48 gated-control items, fp32)
     )
 )
 register(
@@ -140,7 +144,6 @@ register(
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         size_bytes=491400064,
         license="Apache-2.0",
-        margin=0.02,  # kvnotes.measure.margins: 3 x control RMS 0.0046 (48 gated-control items, fp32)
     )
 )
 register(
@@ -156,7 +159,6 @@ register(
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         size_bytes=1117320768,
         license="Apache-2.0",
-        margin=0.03,  # kvnotes.measure.margins: 3 x control RMS 0.0071 (48 gated-control items, fp32)
     )
 )
 

@@ -66,10 +66,8 @@ def margin_rule(model: LoadedModel, margin: float | None) -> str:
     by the rule of kvnotes.measure.margins, or set by hand)."""
     if margin is not None:
         return f"set by the probe config (probe.margin={float(margin):g})"
-    if model.spec is None:
-        return "the default 1.0 (model without a spec)"
     dtype = str(model.dtype).removeprefix("torch.")
-    return margins.describe(model.spec.name, dtype, float(model.spec.margin))
+    return margins.describe(model.spec.name if model.spec else model.name, dtype, model.margin)
 
 
 def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any]:
@@ -84,10 +82,9 @@ def skipped_record(pair: PatchPair, margin: float, reason: str) -> dict[str, Any
 
 
 def resolve_margin(model: LoadedModel, margin: float | None) -> float:
-    """The probe's margin, else the model registry's (the run config passes model.margin in)."""
-    if margin is not None:
-        return float(margin)
-    return float(model.spec.margin) if model.spec is not None else 1.0
+    """The probe's margin, else the model's (the run's model.margin, which the runner resolves
+    from kvnotes.measure.margins: the same number experiments read)."""
+    return float(margin) if margin is not None else model.margin
 
 
 def skip_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -89,12 +89,12 @@ def test_run_pairs_stamps_the_margin_rule_on_every_record(model):
     s = locality.summarize(recs, locality.PatchingConfig())
     assert s["margin_rule"].startswith("set by the probe config") and s["reading"].startswith("over 2 usable")
     bare = locality.run(model, items[:1], locality.PatchingConfig(per_position=False, per_layer=False))
-    assert bare[0]["margin_rule"].startswith("the default 1.0")  # a tiny model has no spec
+    assert bare[0]["margin_rule"].startswith("margin 1: set by hand (no derivation")  # a tiny model
     spec = get_spec("llama")  # as loaded: the registry's margin, derived by the rule
     as_llama = dataclasses.replace(model, spec=spec)
     rule = locality.run(as_llama, items[:1], locality.PatchingConfig(per_position=False, per_layer=False))[0]["margin_rule"]
     assert rule.startswith(f"margin {spec.margin:g}: derived") and "RMS" in rule
-    by_hand = dataclasses.replace(model, spec=dataclasses.replace(spec, margin=1.0))
+    by_hand = as_llama.with_margin(1.0)  # the run overrides the derived margin (model.margin=1)
     rule = locality.run(by_hand, items[:1], locality.PatchingConfig(per_position=False, per_layer=False))[0]["margin_rule"]
     assert rule.startswith("margin 1: set by hand")
 

@@ -47,7 +47,23 @@ def test_every_registered_model_has_a_matching_config():
         data = yaml.safe_load((CONFIGS / "model" / f"{name}.yaml").read_text())
         spec = get_spec(name)
         assert (data["name"], data["dtype"], data["chat"]) == (name, spec.default_dtype, spec.chat)
-        assert data["margin"] == spec.margin
+        assert data["margin"] is None  # the number lives in kvnotes.measure.margins only
+
+
+def test_the_margin_has_one_source_on_every_path():
+    """Registered and tiny models alike: the run config, the loaded model (what probes read) and
+    the context (what experiments read) carry the same margin; an override reaches all of them."""
+    from kvnotes.measure import margins
+    from probes.parts.common import resolve_margin
+    from runner.context import load
+
+    job = validate(make("+experiment=selfcheck"))
+    assert job.cfg.model.margin == margins.margin_of("llama") == get_spec("llama").margin
+    for extra in ([], ["model.margin=0.5"]):
+        job = validate(make("+experiment=selfcheck", "model.name=tiny-llama", "model.tiny_family=llama", *extra))
+        model = load(job.cfg)
+        want = 0.5 if extra else margins.HAND_MARGIN
+        assert job.cfg.model.margin == model.margin == resolve_margin(model, None) == want
 
 
 def test_job_yamls_list_their_schema_first():

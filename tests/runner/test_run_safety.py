@@ -223,6 +223,7 @@ def test_run_dir_records_command_overrides_and_log(tmp_path):
     assert "new run dir" in log and "completed" in log and "INFO" in log
     attempt = read(run_dir / "meta.json")["attempts"][0]
     assert attempt["overrides"] == args and attempt["command"] == command[1]
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["margin"] == 1.0  # resolved, saved
 
 
 def test_command_line_reads_as_typed():
