@@ -70,6 +70,7 @@ def to_png(tokens: list[str], rec: np.ndarray, span: tuple[int, int], info: dict
     import matplotlib  # deferred: the backend is chosen before pyplot loads, PNG output only
 
     matplotlib.use("Agg")
+    # deferred: matplotlib is heavy and only this path needs it
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(12, 4.5), gridspec_kw={"height_ratios": [1, 2]})

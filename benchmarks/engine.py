@@ -84,10 +84,25 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from kvnotes.measure.provenance import cpu_model, git_state  # noqa: E402
+from kvnotes.measure.timing import (  # noqa: E402
+    MemoryBudgetError,
+    check_fits,
+    estimate_peak_bytes,
+    keep_freed_memory,
+    model_bytes,
+    set_memory_cap,
+    timed,
+)
+from kvnotes.models import budget, load_model, tiny  # noqa: E402
+from kvnotes.models.loading import DTYPES, looks_like_checkpoint, resolve_device, resolve_dtype  # noqa: E402
+from kvnotes.models.registry import UnknownModelError, get_spec  # noqa: E402
 
 WORKLOADS = ("edit", "ttft", "multiblock")
 KEYS = ("length", "prefill_s", "extend1_ratio", "full_downstream_ratio", "erratum_ratio",
@@ -160,7 +175,6 @@ PROFILED = ("erratum", "full_downstream", "one_transplant", "one_transplant_resi
 def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> dict[str, list[dict[str, Any]]]:
     """One untimed call of each PROFILED path under torch.profiler: its operator table, sorted by
     self time, goes to OUT/L<length>_<path>.txt; the top entries come back for the JSON."""
-    from torch.profiler import ProfilerActivity, profile  # deferred: only --profile runs it
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
@@ -185,7 +199,6 @@ def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> 
 
 def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device, clock: str = "wall") -> None:
     """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
-    from kvnotes.measure.timing import timed
 
     cuda = device.type == "cuda"
     for r in range(warmup + reps):
@@ -288,9 +301,6 @@ PROMPT_AROUND = 128  # tokens around a benchmark prompt of L tokens: system pref
 def preflight(a: argparse.Namespace) -> str | None:
     """Why these arguments cannot run, found before any weights load (None: they can): an unknown
     model or dtype, or a length that with the tokens around it exceeds the model's positions."""
-    from kvnotes.models import budget
-    from kvnotes.models.loading import DTYPES, looks_like_checkpoint
-    from kvnotes.models.registry import UnknownModelError, get_spec
 
     if a.dtype not in ("auto", *DTYPES):
         return f"--dtype {a.dtype!r}: valid: auto, {', '.join(DTYPES)}"
@@ -318,10 +328,6 @@ def load(a: argparse.Namespace) -> Any:
     """The model, after the memory check (kvnotes.measure.timing.check_fits, printed). With
     --random-init the check runs on the config's sizes before any weights exist; a packaged or
     checkpoint model is checked once its weights are resident. MemoryBudgetError: does not fit."""
-    from kvnotes.measure.timing import check_fits, set_memory_cap
-    from kvnotes.models import load_model
-    from kvnotes.models.loading import resolve_device, resolve_dtype
-    from kvnotes.models.tiny import random_model
 
     dev = resolve_device(a.device)
     if a.memory_cap_gib is not None:
@@ -329,9 +335,9 @@ def load(a: argparse.Namespace) -> Any:
     tokens = max(a.lengths)
     if a.random_init:
         dtype = str(resolve_dtype(a.dtype, None, dev)).removeprefix("torch.")
-        print(check_fits(random_model(a.model, device="meta", dtype=dtype), tokens, caches=4, device=dev),
+        print(check_fits(tiny.random_model(a.model, device="meta", dtype=dtype), tokens, caches=4, device=dev),
               flush=True)
-        return random_model(a.model, device=str(dev), dtype=dtype)
+        return tiny.random_model(a.model, device=str(dev), dtype=dtype)
     model = load_model(a.model, device=a.device, dtype=a.dtype)
     print(check_fits(model, tokens, caches=4), flush=True)
     return model
@@ -345,13 +351,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
-    from kvnotes.measure.provenance import cpu_model, git_state
-    from kvnotes.measure.timing import (
-        MemoryBudgetError,
-        estimate_peak_bytes,
-        keep_freed_memory,
-        model_bytes,
-    )
 
     malloc = "keep" if a.malloc == "keep" and keep_freed_memory() else "default"
     try:

@@ -14,7 +14,18 @@ from typing import Any
 
 import torch
 
+from experiments.shared import kvboost
+from experiments.shared.skill_prompts import question_ids, skill_ids
+from kvnotes import tasks
+from kvnotes.compose import splice as compose
+from kvnotes.compose.store import block_path, load_block, save_block
+from kvnotes.edit.patching import make_pair, patched_scores
+from kvnotes.edit.strategies import Editor
+from kvnotes.engine import run
+from kvnotes.engine.cache import buffers
 from kvnotes.engine.limit import bare_cache, bare_forward
+from kvnotes.measure.metrics import logit_cosine
+from kvnotes.tasks.skills import skill_names
 
 SEAM = 4
 N_BLOCKS = 8
@@ -90,12 +101,6 @@ class Timed:
 
 
 def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
-    from kvnotes import tasks
-    from kvnotes.edit.patching import make_pair, patched_scores
-    from kvnotes.edit.strategies import Editor
-    from kvnotes.engine import run
-    from kvnotes.engine.cache import buffers
-
     item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
     ed = Editor(model, item)
     err = ed.erratum()
@@ -140,11 +145,6 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
               tag: str, extra_seams: tuple[int, ...] = ()) -> tuple[list[Timed], dict[str, Any]]:
     """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / limit paths of
     prefix + blocks + question."""
-    from kvnotes.compose import splice as compose
-    from kvnotes.compose.store import block_path, load_block, save_block
-    from kvnotes.engine import run
-    from kvnotes.engine.cache import buffers
-    from kvnotes.measure.metrics import logit_cosine
 
     files = []
     for j, ids in enumerate(blocks):
@@ -211,8 +211,6 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
 
 
 def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
-    from experiments.shared.skill_prompts import question_ids, skill_ids
-
     prefix, question = question_ids(model.tokenizer, "refund", model.chat)
     block = skill_ids(model.tokenizer, "refund", length, seed=0)
     return _composed(model, store, prefix, [block], question, "one")
@@ -223,8 +221,6 @@ MULTI_EXTRA_SEAMS = (0, 1)  # the eight-block splice also without repair and wit
 
 def multiblock_prompt(model: Any, length: int) -> tuple[list[int], list[list[int]], list[int]]:
     """(system prefix, eight skill blocks of length/8 tokens, question) of the eight-block workload."""
-    from experiments.shared.skill_prompts import question_ids, skill_ids
-    from kvnotes.tasks.skills import skill_names
 
     names = skill_names()
     prefix, question = question_ids(model.tokenizer, "refund", model.chat)
@@ -246,15 +242,13 @@ def kvboost_multiblock(model: Any, length: int, python: str, reps: int) -> dict[
     """kvboost as it ships on the eight-block prompt (its own venv): per mode, over `reps` items
     after one warm-up item, the median of its own full prefill's wall-clock TTFT over the mode's,
     and the median first-token logit cosine of the mode to that prefill."""
-    from experiments.shared.kvboost import run_worker
-    from kvnotes.measure.metrics import logit_cosine
 
     prefix, blocks, question = multiblock_prompt(model, length)
     context = prefix + [t for b in blocks for t in b]
     tok = model.tokenizer
     items = [{"key": f"r{r}", "text": tok.decode(context + question), "context_text": tok.decode(context),
               "max_new_tokens": 1} for r in range(reps + 1)]
-    res, logits = run_worker(python, model, KVBOOST_MODES, items, chunk_size=64, timeout_s=3600)
+    res, logits = kvboost.run_worker(python, model, KVBOOST_MODES, items, chunk_size=64, timeout_s=3600)
     res = [r for r in res if r["key"] != "r0"]  # the first item warms its process up, as ours do
     base = {r["key"]: r for r in res if r["config"] == "baseline"}
     row: dict[str, Any] = {"kvboost_full_s": statistics.median(r["ttft_s"] for r in base.values())}

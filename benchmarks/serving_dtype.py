@@ -20,6 +20,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from kvnotes.measure.timing import native_bf16
+from kvnotes.models import budget
+from kvnotes.models.loading import DTYPES
+from kvnotes.models.registry import UnknownModelError, get_spec
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -39,9 +44,6 @@ SERVER_ROOM = 2048  # max_model_len = tokens + this
 
 def preflight(a: argparse.Namespace) -> str | None:
     """Why these arguments cannot run, before any weights are prepared or a server starts."""
-    from kvnotes.models import budget
-    from kvnotes.models.loading import DTYPES
-    from kvnotes.models.registry import UnknownModelError, get_spec
 
     try:
         get_spec(a.model)
@@ -98,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(meds) == 2:
         (d1, m1), (d2, m2) = meds.items()
         print(f"ratio {d1}/{d2}: {m1 / m2:.2f}")
-    from kvnotes.measure.timing import native_bf16
 
     native = native_bf16("cpu")
     print(f"this CPU computes bf16 natively: {native}")

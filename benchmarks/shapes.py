@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvnotes.models import load_tokenizer
+
 # Published config.json values (meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-8B), sizes only.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {
@@ -43,7 +45,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def write(name: str, out: Path, tokenizer: str = "llama") -> Path:
     """Write `name`'s config.json and the packaged model `tokenizer`'s tokenizer files to `out`."""
-    from kvnotes.models import load_tokenizer
 
     if name not in SHAPES:
         raise KeyError(f"no shape {name!r}; known: {', '.join(SHAPES)}")

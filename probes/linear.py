@@ -141,8 +141,14 @@ def cv_correct(x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int, 
     whose training prompts hold one class predicts that class (chance, not an error)."""
     # deferred: scikit-learn (about a second to import) is needed by this probe only
     from sklearn.linear_model import LogisticRegression
+
+    # deferred: sklearn is heavy and only this path needs it
     from sklearn.model_selection import GroupKFold
+
+    # deferred: sklearn is heavy and only this path needs it
     from sklearn.pipeline import make_pipeline
+
+    # deferred: sklearn is heavy and only this path needs it
     from sklearn.preprocessing import StandardScaler
 
     n_groups = len(set(groups.tolist()))

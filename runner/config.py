@@ -21,8 +21,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
 from kvnotes.measure import margins
+from kvnotes.models import FAMILIES, UnknownModelError, budget, get_spec
 from runner import jobs
 from runner.bounds import number_problem
+from runner.task_config import SCHEMAS, kind_of, schema_for
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -52,8 +54,6 @@ class ModelConfig:
         if self.name == MISSING:  # the bare schema, before a model yaml fills it in
             return
         if self.tiny_family is not None:
-            from kvnotes.models import FAMILIES
-
             if self.tiny_family not in FAMILIES:
                 raise ConfigError(
                     f"model.tiny_family={self.tiny_family!r}; valid families: {', '.join(FAMILIES)}"
@@ -61,8 +61,6 @@ class ModelConfig:
             if self.name != f"tiny-{self.tiny_family}":
                 raise ConfigError(f"a tiny model is named tiny-{self.tiny_family}, not {self.name!r}")
         else:
-            from kvnotes.models import UnknownModelError, get_spec
-
             try:
                 get_spec(self.name)
             except UnknownModelError as e:
@@ -136,9 +134,9 @@ def register_schemas(config_dir: Path = CONFIG_DIR) -> None:
     <kind>/<name> itself, so `+probe=<name>` works with the dataclass defaults; a yaml, when
     present, lists the schema first and overrides what it needs.
     """
+    # deferred: hydra is heavy and only this path needs it
     from hydra.core.config_store import ConfigStore
 
-    from runner.task_config import SCHEMAS
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -238,8 +236,6 @@ def results_problem(results_dir: str) -> str | None:
 
 def typed_task(node: Any, run_cfg: RunConfig) -> Any:
     """The task group as its kind's dataclass, its length bounded by the model and memory."""
-    from kvnotes.models import budget
-    from runner.task_config import kind_of, schema_for
 
     task = _typed(schema_for(kind_of(node)), node, "task.")
     shape = budget.model_shape(run_cfg.model.name, run_cfg.model.tiny_family, run_cfg.cache_dir)
@@ -258,7 +254,6 @@ def prompt_problem(params: Any, kind: str, run_cfg: RunConfig) -> str | None:
     longest = getattr(params, "longest_prompt", None)
     if not callable(longest):
         return None
-    from kvnotes.models import budget
 
     shape = budget.model_shape(run_cfg.model.name, run_cfg.model.tiny_family, run_cfg.cache_dir)
     found = longest()

@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pandas as pd
+from tqdm.auto import tqdm
 
+from kvnotes import tasks
 from kvnotes.errors import ConfigError
-from kvnotes.models import LoadedModel
+from kvnotes.models import LoadedModel, load_model, resolve_device, resolve_dtype
+from kvnotes.models.tiny import tiny_model
 from kvnotes.tasks.item import TaskItem
 from runner.config import Job, RunConfig
 from runner.rundir import RecordWriter, write_json
@@ -24,14 +27,12 @@ K = TypeVar("K")
 
 def load(cfg: RunConfig) -> LoadedModel:
     """The configured model on the configured device and dtype (`auto` dtype: model.dtype)."""
-    from kvnotes.models import load_model, resolve_device, resolve_dtype
 
     dtype = cfg.dtype if cfg.dtype != "auto" else cfg.model.dtype
     if cfg.model.tiny_family is None:
         model = load_model(cfg.model.name, device=cfg.device, dtype=dtype, cache=cfg.cache_dir,
                            verify_weights=cfg.verify_weights)
         return model.with_margin(cfg.model.margin)  # probes and experiments read model.margin
-    from kvnotes.models.tiny import tiny_model
 
     device = resolve_device(cfg.device)
     model = tiny_model(cfg.model.tiny_family, seed=cfg.seed, dtype=resolve_dtype(dtype, device=device))
@@ -49,7 +50,6 @@ def load_items(model: LoadedModel, cfg: RunConfig) -> list[TaskItem]:
         raise ConfigError("probes need task items from kvnotes.tasks, which is not installed yet")
     if cfg.task is None:
         raise ConfigError("a probe needs a task suite: add task=<suite> (configs/task/)")
-    from kvnotes import tasks
 
     kwargs = cfg.task.build_kwargs()  # a TaskConfig (runner.task_config), validated
     if kwargs["seed"] is None:  # the run's seed draws the suite unless the task pins one
@@ -99,7 +99,6 @@ class Context:
 
     def pending(self, keys: Sequence[K], desc: str = "units") -> Iterator[K]:
         """The keys whose unit is not on disk yet, with a progress bar over all of them."""
-        from tqdm.auto import tqdm
 
         done = [k for k in keys if self.writer.done(k)]
         if done:

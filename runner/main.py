@@ -22,13 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import numpy as np
+import torch
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
 from kvnotes.measure import provenance
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
-from kvnotes.models import LoadedModel
+from kvnotes.models import LoadedModel, WeightsError, resolve_device
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
 from runner.endings import disk_failure, interrupted_line, record_end, sigterm_interrupts
@@ -50,9 +55,6 @@ def prepare() -> None:
 
 
 def _seed(seed: int) -> None:
-    import numpy as np
-    import torch
-
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -96,7 +98,6 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 def hydra_overrides() -> list[str] | None:
     """This job's overrides as Hydra parsed them (per job in a multirun), None outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return None
@@ -105,7 +106,6 @@ def hydra_overrides() -> list[str] | None:
 
 def record_invocation(path: Path, attempt: int) -> None:
     """command.txt (one line per attempt) and overrides.yaml (this attempt's): how to rerun it."""
-    import yaml
 
     append_text(path / "command.txt", f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
     overrides = hydra_overrides()
@@ -149,7 +149,6 @@ def run(cfg: DictConfig) -> Path:
     """Validate, open/resume the run directory, run the job, write records + summary."""
     discover()  # a launcher's worker process (joblib, submitit) starts with an empty registry
     job = validate(cfg)  # nothing is written before the config is valid
-    from kvnotes.models import resolve_device
 
     device = str(resolve_device(job.cfg.device))
     with open_dict(cfg):  # the margin the run judges by, resolved (kvnotes.measure.margins), is saved
@@ -182,7 +181,6 @@ def _cores() -> int:
 
 def parallel_jobs() -> int:
     """How many jobs run at once beside this one: a joblib multirun's n_jobs, else 1."""
-    from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return 1
@@ -253,8 +251,6 @@ def _run_job(rd: RunDir, job: Job) -> RecordWriter:
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from kvnotes.models import WeightsError
-
     try:
         path = run(cfg)
     except (ConfigError, WeightsError, RunDirError, MemoryBudgetError) as e:
@@ -274,7 +270,6 @@ def cli() -> None:
     Hydra re-raises instead of reporting when HYDRA_FULL_ERROR is set; unless the user set it
     (then they want the full trace), we set it, catch composition errors and print one line.
     """
-    from hydra.errors import HydraException
 
     prepare()
     if os.environ.get("HYDRA_FULL_ERROR"):

@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from runner.files import (
@@ -93,7 +94,6 @@ def new_dir(parent: Path) -> Path:
 def open_lock(parent: Path) -> Iterator[None]:
     """Held while an opener looks for an unfinished run under `parent` and takes it, or makes a
     new one: the next opener then finds that run (held) instead of making a second one."""
-    from filelock import FileLock, Timeout
 
     make_parent(parent)
     path = parent.parent / OPEN_LOCK.format(model=parent.name)
@@ -176,14 +176,11 @@ class RunLock:
     HOLDER = ".holder.json"
 
     def __init__(self, path: Path) -> None:
-        from filelock import FileLock
-
         self.path = path
         self._lock = FileLock(str(path / self.LOCK))
 
     def acquire(self) -> bool:
         """Take the lock without waiting; False when another process holds it."""
-        from filelock import Timeout
 
         try:
             self._lock.acquire(timeout=0)

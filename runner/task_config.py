@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.tasks import UnknownSuiteError, load_suite
 
 
 @dataclass
@@ -59,7 +60,6 @@ class TaskConfig:
 
     def suite(self) -> Any:
         """The suite file, read and checked (kvnotes.tasks.Suite); raises ConfigError."""
-        from kvnotes.tasks import UnknownSuiteError, load_suite
 
         try:
             s = load_suite(self.name, self.template_dirs)
@@ -157,7 +157,6 @@ def kind_of(node: DictConfig | dict[str, Any]) -> str:
     kind = node.get("kind")
     if kind is not None and kind != MISSING:
         return str(kind)
-    from kvnotes.tasks import UnknownSuiteError, load_suite
 
     try:
         return load_suite(str(node.get("name")), list(node.get("template_dirs") or ())).kind

@@ -17,7 +17,17 @@ from torch import Tensor
 
 from kvnotes.engine.cache import KVCache, buffers, cat
 from kvnotes.engine.rope import reposition
-from kvnotes.engine.run import Ids, Step, as_ids, extend, extend_into, forward_at, prefill
+from kvnotes.engine.run import (
+    Ids,
+    Step,
+    as_ids,
+    extend,
+    extend_into,
+    forward_at,
+    full_logits,
+    prefill,
+)
+from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 from kvnotes.models.loading import LoadedModel
 
 
@@ -85,8 +95,6 @@ def self_check(
     cache-free forward (`max_abs_diff_extend`) and the K = len(block) splice vs the full
     prefill's cache (`max_abs_diff_splice_full`); both should be ~0 up to dtype rounding.
     """
-    from kvnotes.engine.run import full_logits
-    from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 
     prefix, block, question = (as_ids(model, x) for x in (prefix_ids, block_ids, question_ids))
     bad = [k for k in seams if not 0 <= k <= block.shape[1]]

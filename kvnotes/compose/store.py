@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvnotes.compose.splice import Block
 from kvnotes.engine.cache import KVCache
@@ -122,7 +125,6 @@ def content_checksum(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str
                      algorithm: str = CHECKSUM) -> str:
     """`<algorithm>:<hex>` of every tensor (name, dtype, shape, raw bytes; sorted by name) and the
     metadata (its checksum fields left out); `algorithm` is xxh3_128 or sha256 (format /2)."""
-    import xxhash
 
     if algorithm not in ("xxh3_128", "sha256"):
         raise StoreError(f"unknown block checksum algorithm {algorithm!r}")
@@ -209,7 +211,6 @@ def save_block(
     path: str | os.PathLike[str], model: LoadedModel, block: Block, name: str = "", text: str = ""
 ) -> Path:
     """Write `block` (prefilled alone by `model`) to `path` atomically; returns the path."""
-    from safetensors.torch import save_file
 
     if block.cache.batch != 1:
         raise ValueError("a stored block is a single sequence (batch 1)")
@@ -235,7 +236,6 @@ def save_block(
 
 def read_info(path: str | os.PathLike[str]) -> BlockInfo:
     """The metadata of a stored block, without touching its tensors."""
-    from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
@@ -261,7 +261,6 @@ def load_block(
     `compose.transplant` moves them while rotating. On CUDA the file is read once into pinned
     memory and copied to the device in one transfer that overlaps the hash (`read_staged`).
     """
-    from safetensors import safe_open
 
     path = Path(path)
     info = read_info(path)

@@ -35,8 +35,12 @@ from kvnotes.compose import splice as compose
 from kvnotes.compose.blend import Layout
 from kvnotes.engine import rope, run
 from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
+from kvnotes.models import get_spec, load_model, model_names, resolve_dtype
 from kvnotes.models.loading import LoadedModel
-from kvnotes.models.weights import WeightsError
+from kvnotes.models.tiny import tiny_model
+from kvnotes.models.weights import WeightsError, cache_dir, is_converted
+from kvnotes.tasks import filler
+from kvnotes.tasks.tokens import encode, frame
 
 log = logging.getLogger(__name__)
 SEAMS = (0, 2, 8)
@@ -148,8 +152,6 @@ def _ranges(xs: list[int]) -> str:
 
 def probe_layouts(model: LoadedModel, n: int, block_tokens: int = 96, seed: int = 0) -> list[Layout]:
     """n probe prompts: chat head + intro, three filler blocks of ~block_tokens, a question."""
-    from kvnotes.tasks import filler
-    from kvnotes.tasks.tokens import encode, frame
 
     tok = model.tokenizer
     fr = frame(tok, model.chat)
@@ -275,9 +277,6 @@ def require_go(model: LoadedModel, force: bool = False, **kwargs: Any) -> Report
 
 
 def _load(name: str, dtype: str, device: str) -> LoadedModel:
-    from kvnotes.models import load_model, resolve_dtype
-    from kvnotes.models.tiny import tiny_model
-
     if name.startswith("tiny-"):
         return tiny_model(name.removeprefix("tiny-"), dtype=resolve_dtype(dtype))
     return load_model(name, device=device, dtype=dtype)
@@ -285,8 +284,6 @@ def _load(name: str, dtype: str, device: str) -> LoadedModel:
 
 def _targets() -> list[str]:
     """Every registered model with weights here; a tiny config for each family seen only on the hub."""
-    from kvnotes.models import get_spec, model_names
-    from kvnotes.models.weights import cache_dir, is_converted
 
     root = cache_dir()
     out = [n for n in model_names("package") if is_converted(get_spec(n), root)]

@@ -9,7 +9,6 @@ everything from the value on, `oracle` re-prefills. `transplant` splices precomp
 `kvnotes.compose.splice` or the store) into the prompt, each rotated to where it lands, its first `seam`
 tokens recomputed (seam = block length is exact). The result works with `model.generate` and,
 through `cache.to_dynamic()`, with nnsight:
-
     r = EditableCache(model, prompt).edit("account_role: admin", "account_role: guest")
     with model.nnsight.trace(torch.tensor([r.ids[-1:]]), past_key_values=r.cache.to_dynamic()):
         logits = model.nnsight.output.logits.save()  # = model.hf on that cache, bit for bit
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from kvnotes.compose.splice import Block, transplant
+from kvnotes.compose.store import load_block
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
 from kvnotes.engine.cache import KVCache
@@ -170,7 +170,6 @@ class EditableCache:
         exact). The prompt's cache is kept up to the insertion point and its remaining tokens are
         recomputed after the blocks.
         """
-        from kvnotes.compose.store import load_block
 
         items = [blocks] if isinstance(blocks, Block | str | os.PathLike) else list(blocks)
         if not items:

@@ -142,7 +142,10 @@ def _first_occurrence(idx: Int[Tensor, "batch m"]) -> Bool[Tensor, "batch m"]:
 
 def register() -> str:
     """Register the variant attention with transformers (idempotent); returns its name."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AttentionInterface
+
+    # deferred: transformers is heavy and only this path needs it
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, _patched_attention)

@@ -68,7 +68,10 @@ class KVCache:
         our tensors are never written to; only in-place writes into the layers' tensors (which
         nothing in transformers' DynamicLayer does) could reach them.
         """
+        # deferred: transformers is heavy and only this path needs it
         from transformers import DynamicCache
+
+        # deferred: transformers is heavy and only this path needs it
         from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache()
@@ -202,6 +205,7 @@ def patch(
 @functools.cache
 def slots_class() -> Any:
     """`Slots`, a transformers DynamicLayer subclass (built on first use: no import at load)."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers.cache_utils import DynamicLayer
 
     class Slots(DynamicLayer):
@@ -261,6 +265,7 @@ def buffers(cache: KVCache, room: int, batch: int, device: torch.device) -> tupl
 
 
 def dynamic(layers: list[Any]) -> Any:
+    # deferred: transformers is heavy and only this path needs it
     from transformers import DynamicCache
 
     past = DynamicCache()

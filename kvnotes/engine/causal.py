@@ -123,6 +123,7 @@ def register() -> str:
     No mask function is registered under the name, so transformers builds no mask for it (it
     returns None early) and passes caller-supplied 4D masks through unchanged.
     """
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, causal_attention)

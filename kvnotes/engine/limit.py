@@ -29,6 +29,7 @@ from kvnotes.models.loading import LoadedModel
 
 def bare_cache(context: KVCache) -> Any:
     """A transformers DynamicCache holding `context`, filled by its own update."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import DynamicCache
 
     cache = DynamicCache()

@@ -325,6 +325,7 @@ class _Stop(Exception):
 @torch.inference_mode()
 def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch kv_head pos d_head"]:
     """Keys of `layer` for a fresh prefill of `ids`, running only layers 0..layer (CacheBlend's check)."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import DynamicCache
 
     x = as_ids(model, ids)
@@ -350,6 +351,7 @@ def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch
 def prefill_at(model: LoadedModel, ids: Ids, start: int) -> KVCache:
     """K/V of `ids` prefilled alone at positions start.. (the reference a rotation by `start` of
     the block prefilled at 0 must match); `prefill` starts at position 0."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import DynamicCache
 
     x = as_ids(model, ids)

@@ -19,6 +19,7 @@ from torch import Tensor
 from kvnotes.engine import attention
 from kvnotes.engine.cache import KVCache
 from kvnotes.engine.run import Ids, as_ids, attention_impl
+from kvnotes.measure import timing
 from kvnotes.models.loading import LoadedModel
 
 
@@ -34,7 +35,6 @@ def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
     """How many variants `read_variants` runs at once: `fraction` of the free memory over an
     estimate of one variant's working set (fp32 scores and weights of the tail over the cache in
     one layer, about 8 copies; the patched K/V gathered; the tail's hidden states and logits)."""
-    from kvnotes.measure.timing import available_bytes
 
     cfg = model.config
     heads, d = model.adapter.n_heads(model.hf), model.adapter.head_dim(model.hf)
@@ -42,7 +42,7 @@ def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
                + 4 * model.adapter.n_kv_heads(model.hf) * width * d  # gathered K/V and their change
                + 24 * tail * int(cfg.hidden_size)  # hidden states, MLP activations
                + 2 * tail * int(cfg.vocab_size))  # logits (fp32 and the model's dtype)
-    return max(1, min(cap, int(fraction * available_bytes(model.device)) // per))
+    return max(1, min(cap, int(fraction * timing.available_bytes(model.device)) // per))
 
 
 @torch.inference_mode()

@@ -116,6 +116,7 @@ def bootstrap_ci(
         return (mean, float("nan"), float("nan"), 1)
     if np.all(x == x[0]):
         return (mean, mean, mean, n)
+    # deferred: scipy is heavy and only this path needs it
     from scipy.stats import bootstrap
 
     res = bootstrap((x,), np.mean, n_resamples=n_boot, confidence_level=ci, method="percentile",
@@ -148,6 +149,7 @@ def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:
         raise ValueError(f"wilson_ci needs integers 0 <= k <= n, got k={k}, n={n}")
     if n == 0:
         return (float("nan"), float("nan"), float("nan"))
+    # deferred: scipy is heavy and only this path needs it
     from scipy.stats import norm
 
     z = float(norm.ppf(0.5 + ci / 2.0))

@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
 PACKAGES = (
     "kvnotes",
     "torch",
@@ -72,8 +74,6 @@ def machine() -> dict[str, Any]:
         "hostname": socket.gethostname(),
     }
     try:
-        import torch
-
         info["cuda_version"] = torch.version.cuda
         info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         info["torch_threads"] = torch.get_num_threads()

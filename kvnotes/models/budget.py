@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvnotes.measure import timing
+from kvnotes.models import cache_dir as kv_cache
+from kvnotes.models import get_spec
+from kvnotes.models.tiny import tiny_config
+
 HELD_BYTES_PER_TOKEN = 256  # per item and prompt token, while the run holds its items
 BUILD_BYTES_PER_TOKEN = 1024  # peak of building one item
 KV_COPIES = 4
@@ -56,8 +63,6 @@ class ModelShape:
 
 def _config_file(name: str, cache_dir: str | None) -> Path | None:
     """config.json of a registered model, if it is on this machine (no download, no weights)."""
-    from kvnotes.models import cache_dir as kv_cache
-    from kvnotes.models import get_spec
 
     spec = get_spec(name)
     if spec.source == "package":
@@ -69,6 +74,7 @@ def _config_file(name: str, cache_dir: str | None) -> Path | None:
         return path if path.is_file() else None
     if not spec.hub_id:
         return None
+    # deferred: huggingface_hub is heavy and only this path needs it
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(str(spec.hub_id), "config.json")
@@ -78,8 +84,6 @@ def _config_file(name: str, cache_dir: str | None) -> Path | None:
 def model_shape(name: str, tiny_family: str | None, cache_dir: str | None) -> ModelShape | None:
     """The shape of the configured model, or None when its config is not on this machine yet."""
     if tiny_family is not None:
-        from kvnotes.models.tiny import tiny_config
-
         return ModelShape.from_config(tiny_config(tiny_family).to_dict(), f"tiny-{tiny_family}",
                                       positions=False)
     path = _config_file(name, cache_dir)
@@ -117,15 +121,13 @@ def estimate(n_items: int, length: int, shape: ModelShape | None, dtype_bytes: i
 
 def machine_bytes(device: str) -> tuple[int | None, str]:
     """Memory of the device the forward passes run on (RAM for CPU), and its name."""
-    import torch
 
-    from kvnotes.measure.timing import total_bytes
 
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)
         index = torch.cuda.current_device() if dev.index is None else dev.index
-        return total_bytes(torch.device("cuda", index)), f"GPU {index}"
-    return total_bytes("cpu"), "this machine"
+        return timing.total_bytes(torch.device("cuda", index)), f"GPU {index}"
+    return timing.total_bytes("cpu"), "this machine"
 
 
 def human(n: float) -> str:

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
-from kvnotes.measure import margins
+from kvnotes.measure import margins, timing
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
 from kvnotes.models.integrity import WeightsCheck, safetensors_header
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec
@@ -60,10 +63,7 @@ def resolve_dtype(
     GFLOPS measured), so bf16 there only when fp32 does not fit. The choice and its reason are
     logged (logger kvnotes.models.loading).
     """
-    import logging
-    import re
 
-    from kvnotes.measure.timing import available_bytes, native_bf16
 
     if dtype not in (None, "auto"):
         try:
@@ -78,13 +78,13 @@ def resolve_dtype(
     elif spec is not None and (m := re.search(r"(\d+(?:\.\d+)?)[bB]\b", spec.name)):
         params = float(m.group(1)) * 1e9
     if dev.type == "cuda":
-        pick = "bfloat16" if native_bf16(dev) else "float32"
+        pick = "bfloat16" if timing.native_bf16(dev) else "float32"
         why = "CUDA with native bf16" if pick == "bfloat16" else "this GPU lacks bf16"
     elif dev.type != "cpu":
         pick, why = "float32", f"{dev.type}: fp32"
     else:
-        fits = params is None or 4 * params < 0.5 * available_bytes(dev)
-        fast_bf16 = native_bf16(dev)
+        fits = params is None or 4 * params < 0.5 * timing.available_bytes(dev)
+        fast_bf16 = timing.native_bf16(dev)
         if fits and not (declared == "bfloat16" and fast_bf16):
             pick = "float32"
             why = ("CPU without native bf16 (bf16 would be emulated, slower)" if not fast_bf16
@@ -157,6 +157,7 @@ class LoadedModel:
         if self._nnsight is None:
             if self.tokenizer is None:
                 raise ValueError("nnsight needs a tokenizer: wrap_model(hf, tokenizer=...)")
+            # deferred: nnsight is heavy and only this path needs it
             from nnsight import TransformersModel
 
             # nnsight sets padding_side/pad_token on the tokenizer it gets: give it a copy
@@ -204,6 +205,7 @@ def checkpoint_spec(path_or_id: str) -> ModelSpec:
 
     The default dtype is the checkpoint's own (`torch_dtype`) when kvnotes supports it.
     """
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoConfig
 
     folder = Path(path_or_id).expanduser()
@@ -276,7 +278,7 @@ def load_model(
     an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`). Unless
     `check_logits` is off, a short prompt must give finite logits.
     """
-    from safetensors import SafetensorError
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if verify_weights not in VERIFY_WEIGHTS:
@@ -330,6 +332,7 @@ def load_model(
 
 def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> Any:
     """Only the tokenizer of a registered model: read from the GGUF, no weights converted."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoTokenizer
 
     spec = get_spec(name)

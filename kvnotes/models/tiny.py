@@ -8,13 +8,21 @@ and gemma3's per-layer-type rope bases.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvnotes.models.adapters import FAMILIES, adapter_for
 from kvnotes.models.adapters.base import TINY_COMMON
-from kvnotes.models.loading import LoadedModel, wrap_model
+from kvnotes.models.loading import (
+    LoadedModel,
+    WeightsError,
+    resolve_device,
+    resolve_dtype,
+    weights_id,
+    wrap_model,
+)
 
 _COMMON = TINY_COMMON  # the sizes every family's tiny config shares (older imports)
 
@@ -32,7 +40,10 @@ def tiny_tokenizer() -> Any:
     A space and the character after it form one token, so words keep distinct first tokens
     (" grant" -> " g"), as the decision readout of task items needs.
     """
+    # deferred: tokenizers is heavy and only this path needs it
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    # deferred: transformers is heavy and only this path needs it
     from transformers import PreTrainedTokenizerFast
 
     chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
@@ -45,6 +56,7 @@ def tiny_tokenizer() -> Any:
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """A randomly initialised model of `family` (4 layers, d=64) with `tiny_tokenizer()`."""
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family)
@@ -66,11 +78,10 @@ def random_model(folder: str, device: str = "auto", dtype: str = "auto", seed: i
     `device="meta"` allocates nothing: the sizes alone, for `kvnotes.measure.timing.check_fits(...,
     device=...)` before the weights exist.
     """
-    from pathlib import Path
 
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvnotes.models.loading import WeightsError, resolve_device, resolve_dtype, weights_id
 
     path = Path(folder).expanduser()
     if not (path / "config.json").is_file():

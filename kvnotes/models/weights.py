@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from kvnotes.errors import require
@@ -144,7 +145,7 @@ def convert(spec: ModelSpec, root: Path) -> Path:
         return out
     require_converter()
     gguf = gguf_path(spec, root)
-    import torch
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors (once; takes about a minute)", spec.name)
@@ -201,6 +202,7 @@ def prepare_tokenizer(
     if download:
         fetch(name, base)
     gguf = gguf_path(spec, base)
+    # deferred: transformers is heavy and only this path needs it
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -13,8 +13,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvnotes.tasks.gated import build_item
 from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.memory import build_memory_item
 from kvnotes.tasks.scoring import ItemScore, score_items
+from kvnotes.tasks.skills import build_skill_item
 from kvnotes.tasks.templates import (
     Design,
     Domain,
@@ -75,16 +78,10 @@ def build_suite(
         raise ValueError(f"n_items must be >= 1, got {n}")
     fr = frame(tokenizer, chat)
     if s.kind == "gated":
-        from kvnotes.tasks.gated import build_item
-
         items = [build_item(s, tokenizer, fr, i, L, sd) for i in range(n)]
     elif s.kind == "skills":
-        from kvnotes.tasks.skills import build_skill_item
-
         items = [build_skill_item(s, tokenizer, fr, i, L, sd) for i in range(n)]
     elif s.kind == "memory":
-        from kvnotes.tasks.memory import build_memory_item
-
         items = [build_memory_item(s, tokenizer, fr, i, L, sd) for i in range(n)]
     else:
         raise ValueError(

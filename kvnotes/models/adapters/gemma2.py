@@ -13,6 +13,7 @@ class Gemma2Adapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """Alternating sliding (window 24) and full layers."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import Gemma2Config
 
         return Gemma2Config(**TINY_COMMON, sliding_window=24, query_pre_attn_scalar=16,

@@ -33,6 +33,7 @@ class Gemma3Adapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """Sliding (window 24) and full layers with per-layer-type rope bases (full: linear scaling)."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import Gemma3TextConfig
 
         return Gemma3TextConfig(

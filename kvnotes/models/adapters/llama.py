@@ -12,6 +12,7 @@ class LlamaAdapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """llama3 rope scaling (inv_freq rescaled beyond 64 original positions)."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import LlamaConfig
 
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

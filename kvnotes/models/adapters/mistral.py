@@ -17,6 +17,7 @@ class MistralAdapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """A sliding window (24) shorter than the test sequences, on every layer."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import MistralConfig
 
         return MistralConfig(**TINY_COMMON, sliding_window=24)

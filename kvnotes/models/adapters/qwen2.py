@@ -12,6 +12,7 @@ class Qwen2Adapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """q/k/v biases (Qwen2's default), plain rope."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import Qwen2Config
 
         return Qwen2Config(**TINY_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

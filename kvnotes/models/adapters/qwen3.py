@@ -12,6 +12,7 @@ class Qwen3Adapter(FamilyAdapter):
 
     def tiny_config(self) -> Any:
         """YaRN: attention_scaling folded into cos/sin."""
+        # deferred: transformers is heavy and only this path needs it
         from transformers import Qwen3Config
 
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
