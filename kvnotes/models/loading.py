@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvnotes.errors import ConfigError
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
 from kvnotes.models.integrity import WeightsCheck, safetensors_header
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec
@@ -40,17 +42,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 VERIFY_WEIGHTS = ("header", "full")  # what a load checks of a packaged model's files (load_model)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when present, else CPU; anything else is passed to torch.device."""
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` picks CUDA when present, else CPU; anything else is passed to torch.device.
+
+    A device this machine lacks (`cuda` without CUDA, `mps` without MPS) is a `ConfigError`
+    naming what is there, before any weights are read, not torch's error at the first copy."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device {device!r}; valid: auto, cpu, cuda, cuda:N, mps ({_line(e)})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r} asked for, but CUDA is not available here "
+                              f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+                              f"use device='cpu' or 'auto'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(device)!r} asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); use cuda:0.."
+                              f"{torch.cuda.device_count() - 1} or 'auto'")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {str(device)!r} asked for, but MPS is not available here; use "
+                          f"device='cpu' or 'auto'")
+    return dev
 
 
 def resolve_dtype(
-    dtype: str | None, spec: ModelSpec | None = None, device: torch.device | str | None = None
+    dtype: str | torch.dtype | None, spec: ModelSpec | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.dtype:
-    """The torch dtype for a name; `auto` picks the fastest exact-enough dtype for the device.
+    """The torch dtype for a name or a torch dtype (float32, bfloat16, float16); `auto` picks the fastest exact-enough dtype for the device.
 
     auto: bf16 on a GPU that computes it natively (else fp32). On a CPU, fp32 when the fp32
     weights fit in half the free memory, except bf16 when the model is declared fine in bf16
@@ -59,16 +81,16 @@ def resolve_dtype(
     GFLOPS measured), so bf16 there only when fp32 does not fit. The choice and its reason are
     logged (logger kvnotes.models.loading).
     """
-    import logging
     import re
 
     from kvnotes.measure.timing import available_bytes, native_bf16
 
-    if dtype not in (None, "auto"):
-        try:
-            return DTYPES[str(dtype)]
-        except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}") from None
+    if dtype not in (None, "auto"):  # a name, "torch.float16", or torch.float16 itself
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+        raise ConfigError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)} "
+                          f"(as strings or torch dtypes, e.g. torch.bfloat16)")
     dev = resolve_device("auto") if device is None else torch.device(device)
     declared = spec.default_dtype if spec else "float32"
     params: float | None = None  # from the packaged GGUF (about 4.5 bits a weight) or the name
@@ -242,8 +264,8 @@ def check_finite_logits(model: LoadedModel, fix: str) -> None:
 
 def load_model(
     name: str,
-    device: str = "auto",
-    dtype: str | None = "auto",
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = "auto",
     cache: str | os.PathLike[str] | None = None,
     download: bool = False,
     check_logits: bool = True,
@@ -257,22 +279,31 @@ def load_model(
     tensor's data passes, and the provenance says its `weights_sha256` is the conversion's
     record), `full` re-hashes every byte (0.36 s for llama's 517 MB on a 2-core EPYC). Hub models
     go through `from_pretrained` with the hub id. A name that is not registered but is a folder or
-    an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`). Unless
-    `check_logits` is off, a short prompt must give finite logits.
+    an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`); the
+    hub id a registered model was made from (its `aliases`, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for `llama`) loads that registered model, offline. Unless `check_logits` is off, a short
+    prompt must give finite logits. `dtype` is a name or a torch dtype; a `device` this machine
+    lacks is a `ConfigError` before any weights are read.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if verify_weights not in VERIFY_WEIGHTS:
         raise ValueError(f"verify_weights={verify_weights!r}; valid: {', '.join(VERIFY_WEIGHTS)}")
-    try:
+    dev = resolve_device(device)
+    try:  # a registered name or alias; a folder of that name is a checkpoint
         spec = get_spec(name)
+        if spec.name != name and Path(name).expanduser().is_dir():
+            spec = checkpoint_spec(name)
+        elif spec.name != name:
+            logging.getLogger(__name__).info("%s is the registered model %r (%s)", name, spec.name,
+                                             spec.description)
+            name = spec.name
     except UnknownModelError as e:
         if not looks_like_checkpoint(name):
             raise UnknownModelError(f"{e}; or give an HF checkpoint folder or hub id") from None
         spec = checkpoint_spec(name)
     adapter = adapter_for(spec.family)
-    dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, spec, dev)
     check: WeightsCheck | None = None
     if spec.source == "package":
