@@ -68,14 +68,34 @@ class EditResult:
         return str(self.model.tokenizer.decode(out[0, len(self.ids):], skip_special_tokens=True))
 
 
-class EditableCache:
-    """The cache of one prompt (text, tokenized without special tokens added)."""
+Messages = Sequence[dict[str, str]]  # chat messages: [{"role": "user", "content": "..."}, ...]
 
-    def __init__(self, model: LoadedModel, prompt: str) -> None:
+
+def chat_text(model: LoadedModel, messages: Messages) -> str:
+    """The prompt text of chat `messages` by the model's chat template, generation prompt added."""
+    if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+        raise EditError("a chat prompt is a list of {'role': ..., 'content': ...} dicts")
+    if not getattr(model.tokenizer, "chat_template", None):
+        raise EditError(f"model {model.name!r} has no chat template, so chat messages cannot be "
+                        f"turned into a prompt; pass the prompt as text")
+    return str(model.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                   add_generation_prompt=True))
+
+
+class EditableCache:
+    """The cache of one prompt: text (tokenized as it is: no special tokens added, so a chat
+    template's own markers are the only ones), or chat messages (a list of {"role", "content"}
+    dicts, rendered by the model's chat template with the generation prompt). See
+    docs/conventions.md for what the cache holds (every token but the last)."""
+
+    def __init__(self, model: LoadedModel, prompt: str | Messages) -> None:
         if model.tokenizer is None:
             raise EditError("EditableCache needs a model with a tokenizer")
-        self.model, self.prompt = model, prompt
-        self.ids = self._encode(prompt)
+        if isinstance(prompt, dict) or not isinstance(prompt, str | Sequence):
+            raise EditError(f"the prompt is text or a list of chat messages, not {type(prompt).__name__}")
+        text = prompt if isinstance(prompt, str) else chat_text(model, prompt)
+        self.model, self.prompt = model, text
+        self.ids = self._encode(text)
         if len(self.ids) < 2:
             raise EditError("the prompt must be at least two tokens long")
         self.cache = prefill(model, self.ids[:-1]).cache
@@ -85,7 +105,10 @@ class EditableCache:
 
     def _locate(self, old: str) -> int:
         n = self.prompt.count(old)
-        if n != 1:
+        if n == 0:
+            raise EditError(f"{old!r} is not in the prompt{_near(self.prompt, old)}; check the text "
+                            f"(case, spaces and line breaks count)")
+        if n > 1:
             raise EditError(f"{old!r} occurs {n} times in the prompt; give a longer, unique text "
                             f"(e.g. 'account_role: admin')")
         return self.prompt.index(old)
@@ -180,9 +203,12 @@ class EditableCache:
             raise EditError("a block was prefilled by a model with another number of layers")
         b = len(self.ids)
         if insert_before is not None:
-            if (n := self.prompt.count(insert_before)) != 1:
+            if (n := self.prompt.count(insert_before)) == 0:
+                raise EditError(f"insert_before {insert_before!r} is not in the prompt"
+                                f"{_near(self.prompt, insert_before)}; check the text")
+            if n > 1:
                 raise EditError(f"insert_before {insert_before!r} occurs {n} times in the prompt; "
-                                f"give a unique text")
+                                f"give a longer, unique text")
             b = self._boundary(self.prompt.index(insert_before))
             if b == 0:
                 raise EditError("blocks go after at least one prompt token")
@@ -199,6 +225,17 @@ class EditableCache:
             cache = extend(self.model, cache, rest).cache
         recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
         return EditResult(self.model, ids, cache, "transplant", recomputed)
+
+
+def _near(prompt: str, old: str, width: int = 60) -> str:
+    """Where `old` nearly occurs (ignoring case and spacing), else how the prompt begins."""
+    squash = " ".join(old.split()).lower()
+    flat = " ".join(prompt.split())
+    at = flat.lower().find(squash) if squash else -1
+    if at >= 0:
+        return f" (but {flat[at : at + len(squash)]!r} is, differing in case or spacing)"
+    head = prompt[:width] + ("..." if len(prompt) > width else "")
+    return f" (which begins {head!r})"
 
 
 def demo_prompt() -> str:

@@ -63,6 +63,19 @@ def check_positions(model: LoadedModel, cached: int, new: int) -> None:
                           f"(max_position_embeddings); keep prompt and cache within {limit} tokens")
 
 
+def check_cache(model: LoadedModel, cache: KVCache, what: str = "cache") -> None:
+    """ConfigError when `cache` cannot run with `model`: another dtype or another number of layers
+    (before the attention kernel's own error). docs/conventions.md, "Dtypes and devices"."""
+    if cache.n_layers != model.n_layers:
+        raise ConfigError(f"{what} has {cache.n_layers} layers but model {model.name!r} has "
+                          f"{model.n_layers}: it was made by another model")
+    if cache.dtype != model.dtype:
+        have, want = (str(t).removeprefix("torch.") for t in (cache.dtype, model.dtype))
+        raise ConfigError(f"{what} is {have} but model {model.name!r} runs in {want}: convert it "
+                          f"with cache.to(dtype=torch.{want}) or load the model with dtype={have!r} "
+                          f"(docs/conventions.md, dtypes)")
+
+
 @contextmanager
 def attention_impl(model: LoadedModel, name: str) -> Iterator[None]:
     """Run the model with the attention implementation `name` for one call (restored after): the
@@ -115,6 +128,8 @@ def extend(
     b, n = x.shape
     if cache is not None and cache.batch not in (1, b):
         raise ValueError(f"cache batch {cache.batch} != ids batch {b}")
+    if cache is not None:
+        check_cache(model, cache)
     if cache is None:  # buffers shaped by the first layer's states, inside the forward
         return _run_slots(model, x, [slots_class()(None, None, 0, n) for _ in range(model.n_layers)], 0,
                           logits_to_keep)
@@ -148,6 +163,7 @@ def extend_into(
         raise ValueError(f"buffers hold {room} positions; {filled} filled + {n} new do not fit")
     if any(int(t.shape[0]) != b for t in (*keys, *values)):
         raise ValueError(f"buffers' batch differs from the ids' batch {b}")
+    check_cache(model, KVCache(tuple(keys), tuple(values)), "the buffers' cache")
     return _run_slots(model, x, [slots_class()(k, v, filled, n) for k, v in zip(keys, values)], filled,
                       logits_to_keep)
 
@@ -277,6 +293,7 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
     the chosen tokens (no LM head).
     """
     x = as_ids(model, ids)
+    check_cache(model, cache)
     n = cache.seq_len
     chosen = sorted(set(int(p) for p in positions))
     if not chosen:
@@ -301,6 +318,7 @@ def recompute_extend(
 ) -> Step:
     """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache."""
     x, t = as_ids(model, ids), as_ids(model, tail)
+    check_cache(model, cache)
     n = cache.seq_len
     chosen = sorted(set(int(p) for p in positions))
     if not chosen:
@@ -363,6 +381,7 @@ def generate(model: LoadedModel, cache: KVCache, ids: Ids, max_new_tokens: int, 
     """transformers' `generate` continuing `ids` after `cache` (a `DynamicCache` copy of it, so
     `cache` is unchanged); `kwargs` pass through (sampling, `num_return_sequences`, ...)."""
     x = as_ids(model, ids)
+    check_cache(model, cache)
     return model.hf.generate(  # type: ignore[operator]
         input_ids=x, attention_mask=torch.ones_like(x),
         past_key_values=cache.to(device=model.device).to_dynamic(),

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from kvnotes.engine import attention
 from kvnotes.engine.cache import KVCache
-from kvnotes.engine.run import Ids, as_ids, attention_impl
+from kvnotes.engine.run import Ids, as_ids, attention_impl, check_cache
 from kvnotes.models.loading import LoadedModel
 
 
@@ -72,6 +72,8 @@ def read_variants(
     x = as_ids(model, ids)
     if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
         raise ValueError("read_variants needs aligned batch-1 caches")
+    check_cache(model, base)
+    check_cache(model, src, "the source cache")
     for p in positions:
         check_positions(list(p), base.seq_len)
     n, L = len(positions), base.n_layers
