@@ -24,7 +24,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from kvnotes.engine import causal
-from kvnotes.engine.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
+from kvnotes.engine.cache import (
+    KVCache,
+    absolute_positions,
+    buffers,
+    dynamic,
+    from_slots,
+    slots_class,
+    stack,
+)
 from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel
 
@@ -283,7 +291,8 @@ def forward_at(
 
 @torch.inference_mode()
 def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[int]) -> KVCache:
-    """A copy of `cache` whose K/V at `positions` are recomputed from `ids` against the rest.
+    """A copy of `cache` whose K/V at `positions` (negative: from the end) are recomputed from
+    `ids` against the rest.
 
     `ids` are the tokens of the whole cached sequence as it should now read (e.g. the new
     prompt); the tokens at `positions` run through the model at their own positions, seeing the
@@ -295,11 +304,11 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
     x = as_ids(model, ids)
     check_cache(model, cache)
     n = cache.seq_len
-    chosen = sorted(set(int(p) for p in positions))
+    chosen = sorted(set(absolute_positions(list(positions), n).tolist()))  # negative: from the end
     if not chosen:
         return cache
-    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
-        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    if x.shape[1] < n:
+        raise IndexError(f"ids ({x.shape[1]} tokens) must cover the {n} cached positions")
     if cache.batch != 1:
         raise ValueError(f"recompute takes a batch-1 cache, got batch {cache.batch}")
     keys, values = buffers(cache, len(chosen), 1, model.device)
@@ -320,11 +329,11 @@ def recompute_extend(
     x, t = as_ids(model, ids), as_ids(model, tail)
     check_cache(model, cache)
     n = cache.seq_len
-    chosen = sorted(set(int(p) for p in positions))
+    chosen = sorted(set(absolute_positions(list(positions), n).tolist()))  # negative: from the end
     if not chosen:
         return extend(model, cache, t, logits_to_keep)
-    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
-        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    if x.shape[1] < n:
+        raise IndexError(f"ids ({x.shape[1]} tokens) must cover the {n} cached positions")
     if cache.batch != 1 or t.shape[0] != 1:
         raise ValueError("recompute_extend takes a batch-1 cache and one tail")
     m = t.shape[1]
