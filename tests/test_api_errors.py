@@ -7,7 +7,7 @@ import torch
 from kvnotes import EditableCache, EditError
 from kvnotes.compose import splice
 from kvnotes.edit.editable import demo_prompt
-from kvnotes.engine import run
+from kvnotes.engine import generation, run
 from kvnotes.engine.cache import KVCache
 from kvnotes.engine.variants import read_variants
 from kvnotes.errors import ConfigError
@@ -26,7 +26,7 @@ def test_a_bf16_cache_into_an_fp32_model_names_both_dtypes(model):
         run.extend(model, cache, [7])
     assert "\n" not in str(e.value)
     for call in (lambda: run.recompute(model, cache, list(range(5, 25)), [3]),
-                 lambda: run.generate(model, cache, [7], 2),
+                 lambda: generation.generate(model, cache, [7], 2),
                  lambda: read_variants(model, cache, cache, [[1]], [7])):
         with pytest.raises(ConfigError, match="cache is bfloat16 but model 'tiny-llama' runs in float32"):
             call()

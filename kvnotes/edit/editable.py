@@ -28,7 +28,8 @@ from kvnotes.compose.splice import Block, transplant
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
 from kvnotes.engine.cache import KVCache
-from kvnotes.engine.run import extend, generate, prefill, recompute
+from kvnotes.engine.generation import generate
+from kvnotes.engine.run import extend, prefill, recompute
 from kvnotes.engine.variants import read_variants
 from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel

@@ -41,7 +41,13 @@ Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor | str
 
 @dataclass(frozen=True)
 class Step:
-    """Logits of the last `logits_to_keep` new positions (fp32) and the extended cache."""
+    """Logits of the new positions (fp32) and the extended cache.
+
+    `logits` is [batch, keep, vocab]: by default keep = 1, the next-token logits of the last
+    position (`step.logits[0, -1]`); `all_logits=True` (or `logits_to_keep=0`) keeps every new
+    position, as TransformerLens and a plain HF forward return them, and `logits_to_keep=k` the
+    last k. `cache` holds every position run so far (docs/conventions.md).
+    """
 
     logits: Float[Tensor, "batch keep vocab"]
     cache: KVCache
@@ -125,13 +131,16 @@ def _forward(
 
 @torch.inference_mode()
 def extend(
-    model: LoadedModel, cache: KVCache | None, ids: Ids, logits_to_keep: int = 1
+    model: LoadedModel, cache: KVCache | None, ids: Ids, logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Step:
     """Run `ids` (or text, tokenized without special tokens) after `cache` (None: from position 0).
 
-    `logits_to_keep=0` keeps every position. The cache is copied once into buffers with room for
-    `ids` (`extend_into` runs the forward into them), so `cache` itself is never changed.
+    Logits of the last new position, or of every new one with `all_logits=True` (same as
+    `logits_to_keep=0`). The cache is copied once into buffers with room for `ids`
+    (`extend_into` runs the forward into them), so `cache` itself is never changed.
     """
+    logits_to_keep = _keep(logits_to_keep, all_logits)
     x = as_ids(model, ids)
     b, n = x.shape
     if cache is not None and cache.batch not in (1, b):
@@ -185,9 +194,20 @@ def _run_slots(model: LoadedModel, x: Tensor, layers: list[Any], start: int, log
     return Step(out.logits.float(), from_slots(past))
 
 
-def prefill(model: LoadedModel, ids: Ids, logits_to_keep: int = 1) -> Step:
-    """A clean prefill of `ids` from position 0; text is tokenized as the tokenizer does (BOS too)."""
-    return extend(model, None, as_ids(model, ids, bos=True), logits_to_keep)
+def _keep(logits_to_keep: int, all_logits: bool) -> int:
+    """The LM head's `logits_to_keep` (0: every position) from the public arguments."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ConfigError(f"logits_to_keep={logits_to_keep!r}: the last k >= 1, or 0 (all_logits=True)")
+    return 0 if all_logits else logits_to_keep
+
+
+def prefill(model: LoadedModel, ids: Ids, logits_to_keep: int = 1, all_logits: bool = False) -> Step:
+    """A clean prefill of `ids` from position 0; text is tokenized as the tokenizer does (BOS too).
+
+    `step.logits` is [batch, 1, vocab] (the next token), or [batch, pos, vocab] with
+    `all_logits=True`; `step.cache` holds all pos tokens (docs/conventions.md).
+    """
+    return extend(model, None, as_ids(model, ids, bos=True), logits_to_keep, all_logits)
 
 
 def extend_many(
@@ -196,6 +216,7 @@ def extend_many(
     ids: Ids,
     batch_size: int = 8,
     logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Float[Tensor, "n keep vocab"]:
     """Logits of the same continuation `ids` after each of many equal-length batch-1 caches.
 
@@ -207,7 +228,7 @@ def extend_many(
     out = []
     for start in range(0, len(caches), batch_size):
         chunk = stack(caches[start : start + batch_size])
-        out.append(extend(model, chunk, x.expand(chunk.batch, -1), logits_to_keep).logits)
+        out.append(extend(model, chunk, x.expand(chunk.batch, -1), logits_to_keep, all_logits).logits)
     return torch.cat(out, dim=0)
 
 
@@ -324,8 +345,11 @@ def recompute_extend(
     positions: Sequence[int],
     tail: Ids,
     logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Step:
-    """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache."""
+    """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache
+    (logits of the tail's last token, or of every tail token with `all_logits=True`)."""
+    logits_to_keep = _keep(logits_to_keep, all_logits)
     x, t = as_ids(model, ids), as_ids(model, tail)
     check_cache(model, cache)
     n = cache.seq_len
@@ -383,16 +407,3 @@ def prefill_at(model: LoadedModel, ids: Ids, start: int) -> KVCache:
     pos = torch.arange(start, start + x.shape[1], device=model.device)[None]  # [1, pos]
     out = model.hf(input_ids=x, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
     return KVCache.from_dynamic(out.past_key_values)
-
-
-@torch.inference_mode()
-def generate(model: LoadedModel, cache: KVCache, ids: Ids, max_new_tokens: int, **kwargs: Any) -> Any:
-    """transformers' `generate` continuing `ids` after `cache` (a `DynamicCache` copy of it, so
-    `cache` is unchanged); `kwargs` pass through (sampling, `num_return_sequences`, ...)."""
-    x = as_ids(model, ids)
-    check_cache(model, cache)
-    return model.hf.generate(  # type: ignore[operator]
-        input_ids=x, attention_mask=torch.ones_like(x),
-        past_key_values=cache.to(device=model.device).to_dynamic(),
-        max_new_tokens=max_new_tokens, **kwargs,
-    )
