@@ -28,7 +28,7 @@ from kvnotes.compose.splice import Block, transplant
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
 from kvnotes.engine.cache import KVCache
-from kvnotes.engine.generation import generate
+from kvnotes.engine.generation import GenerateOutput, generate
 from kvnotes.engine.run import extend, prefill, recompute
 from kvnotes.engine.variants import read_variants
 from kvnotes.errors import ConfigError
@@ -58,15 +58,16 @@ class EditResult:
     def next_token_logits(self) -> torch.Tensor:
         return extend(self.model, self.cache, list(self.ids[-1:])).logits[0, -1]
 
-    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> str:
-        """Continuation from the edited cache (`model.generate` on a DynamicCache).
+    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> GenerateOutput:
+        """Continuation from the edited cache (`model.generate` on a DynamicCache copy of it).
 
         Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
-        `temperature`, `top_p`, a `generation_config`, ...).
+        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`, a
+        `generation_config`, ...). Returns a `GenerateOutput`: `.text` (also `str(out)`),
+        `.texts`, `.ids` (the new tokens, [n, new]), `.sequences`, and `.scores` when asked.
         """
         gen = {"do_sample": False, **kwargs}
-        out = generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
-        return str(self.model.tokenizer.decode(out[0, len(self.ids):], skip_special_tokens=True))
+        return generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
 
 
 Messages = Sequence[dict[str, str]]  # chat messages: [{"role": "user", "content": "..."}, ...]
