@@ -56,7 +56,19 @@ class EditResult:
         return str(self.model.tokenizer.decode(list(self.ids)))
 
     def next_token_logits(self) -> torch.Tensor:
+        """Logits [vocab] (fp32) of the token after the prompt: the last id run on the cache."""
         return extend(self.model, self.cache, list(self.ids[-1:])).logits[0, -1]
+
+    def edit(self, old: str, new: str, strategy: str = "erratum", **kwargs: Any) -> EditResult:
+        """Edit this edited prompt again, from its cache (`EditableCache.edit`'s arguments): a chain
+        of edits and transplants never starts over."""
+        return EditableCache.from_result(self).edit(old, new, strategy, **kwargs)
+
+    def transplant(self, blocks: BlockLike | Sequence[BlockLike], seam: int = 0,
+                   insert_before: str | None = None) -> EditResult:
+        """Splice precompiled blocks into this edited prompt, from its cache
+        (`EditableCache.transplant`'s arguments)."""
+        return EditableCache.from_result(self).transplant(blocks, seam, insert_before)
 
     def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> GenerateOutput:
         """Continuation from the edited cache (`model.generate` on a DynamicCache copy of it).
@@ -101,6 +113,29 @@ class EditableCache:
         if len(self.ids) < 2:
             raise EditError("the prompt must be at least two tokens long")
         self.cache = prefill(model, self.ids[:-1]).cache
+        self._resynced = 0  # tokens recomputed to bring a resumed cache in line (from_result)
+
+    @classmethod
+    def from_result(cls, result: EditResult) -> EditableCache:
+        """An EditableCache of an edited prompt (its text), over the result's cache: no prefill.
+
+        Edits find text in the prompt, so its ids must be what the text tokenizes to; where a
+        splice seam tokenizes otherwise (a BPE merge across it), the cache is kept up to the first
+        differing token and the rest recomputed once (counted in the next result's `recomputed`).
+        """
+        self = cls.__new__(cls)
+        self.model, self.prompt, self.cache = result.model, result.text, result.cache
+        self.ids, self._resynced = self._encode(self.prompt), 0
+        if self.ids != result.ids:
+            c = next((i for i, (a, b) in enumerate(zip(self.ids, result.ids)) if a != b),
+                     min(len(self.ids), len(result.ids)))
+            c = min(c, self.cache.seq_len, len(self.ids) - 1)
+            rest = list(self.ids[c:-1])
+            self.cache = self.cache.slice(0, c)
+            if rest:
+                self.cache = extend(self.model, self.cache, rest).cache
+            self._resynced = len(self.ids) - 1 - c
+        return self
 
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -141,7 +176,7 @@ class EditableCache:
             return EditResult(self.model, new_ids, prefill(self.model, new_ids[:-1]).cache, strategy, len(new_ids))
         if strategy == "full_downstream":
             cache = extend(self.model, self.cache.slice(0, c), new_ids[c:-1]).cache
-            return EditResult(self.model, new_ids, cache, strategy, len(new_ids) - c)
+            return EditResult(self.model, new_ids, cache, strategy, len(new_ids) - c + self._resynced)
         if len(new_ids) != len(self.ids):
             raise EditError(f"{old!r} and {new!r} tokenize to different lengths here, so the cache "
                             f"cannot be edited in place; use strategy 'erratum' or 'full_downstream'")
@@ -150,7 +185,7 @@ class EditableCache:
             raise EditError("the value must change and lie before the last token")
         chosen = span if strategy == "field_only" else span + self._notes(span[-1] + 1)[:k]
         cache = recompute(self.model, self.cache, new_ids[:-1], chosen)
-        return EditResult(self.model, new_ids, cache, strategy, len(set(chosen)))
+        return EditResult(self.model, new_ids, cache, strategy, len(set(chosen)) + self._resynced)
 
     def _notes(self, start: int) -> list[int]:
         """Positions after `start` by the last token's attention (mean over layers and heads)."""
@@ -182,7 +217,8 @@ class EditableCache:
         ids = self.ids[:b] + err + self.ids[b:]
         cache = extend(self.model, self.cache.slice(0, min(b, self.cache.seq_len)),
                        list(ids[min(b, self.cache.seq_len):-1])).cache
-        return EditResult(self.model, ids, cache, "erratum", len(ids) - 1 - min(b, self.cache.seq_len))
+        done = len(ids) - 1 - min(b, self.cache.seq_len)
+        return EditResult(self.model, ids, cache, "erratum", done + self._resynced)
 
 
     def transplant(self, blocks: BlockLike | Sequence[BlockLike], seam: int = 0,
@@ -226,7 +262,7 @@ class EditableCache:
         if rest:
             cache = extend(self.model, cache, rest).cache
         recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
-        return EditResult(self.model, ids, cache, "transplant", recomputed)
+        return EditResult(self.model, ids, cache, "transplant", recomputed + self._resynced)
 
 
 def _near(prompt: str, old: str, width: int = 60) -> str:
