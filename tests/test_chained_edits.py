@@ -66,3 +66,13 @@ def test_a_seam_that_tokenizes_otherwise_is_recomputed_once(ec):
     assert (r3.next_token_logits() - _clean(r3)).abs().max().item() <= ATOL_FP32
     seam = r2.text.index(" Request:")
     assert r3.recomputed > len(ec._encode(r2.text[seam:])) - 2  # the re-synced tail is counted
+
+
+@pytest.mark.real
+def test_real_chain_equals_a_clean_prefill(llama):
+    ec = EditableCache(llama, demo_prompt())
+    r1 = ec.edit("account_role: admin", "account_role: guest", strategy="erratum", insert_before="Request:")
+    blk = splice.prefill_block(llama, ec._encode("Skill: refunds need a receipt.\n"))
+    r3 = r1.transplant(blk, seam=len(blk), insert_before="Request:").edit("audit", "sales", strategy="full_downstream")
+    assert r3.ids == ec._encode(r3.text)
+    assert (r3.next_token_logits() - _clean(r3)).abs().max().item() <= 1e-4

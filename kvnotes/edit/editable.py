@@ -8,11 +8,17 @@ byte-identical, as a serving prefix cache wants), `field_only` rewrites the valu
 everything from the value on, `oracle` re-prefills. `transplant` splices precompiled blocks (from
 `kvnotes.compose.splice` or the store) into the prompt, each rotated to where it lands, its first `seam`
 tokens recomputed (seam = block length is exact). The result works with `model.generate` and,
-through `cache.to_dynamic()`, with nnsight:
+through `cache.to_dynamic()`, with nnsight; its cache holds every token but the last, which the
+trace runs (docs/conventions.md):
 
     r = EditableCache(model, prompt).edit("account_role: admin", "account_role: guest")
     with model.nnsight.trace(torch.tensor([r.ids[-1:]]), past_key_values=r.cache.to_dynamic()):
-        logits = model.nnsight.output.logits.save()  # = model.hf on that cache, bit for bit
+        logits = model.nnsight.output.logits.save()
+
+`logits` equals `model.hf` on that cache bit for bit (the same modules, the same kernel), and
+`r.next_token_logits()` within fp32 rounding, not bit for bit: kvnotes runs its own attention
+path (kvnotes.engine.causal), which sums in another order (2.1e-5 at most on llama in fp32,
+over three strategies; tests/test_nnsight.py holds it to 5e-5).
 """
 
 from __future__ import annotations

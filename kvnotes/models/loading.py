@@ -332,7 +332,7 @@ def load_model(
     except SafetensorError as e:  # a file damaged in a way the cheap check cannot see
         raise WeightsError(f"model folder {path} is damaged ({_line(e)}); {fix}") from e
     hf.to(dev)  # type: ignore[arg-type]
-    hf.eval()
+    freeze(hf)
     if spec.source == "hub":
         checksum = getattr(hf.config, "_commit_hash", None)
     limit = getattr(adapter.text_config(hf), "max_position_embeddings", None)
@@ -352,13 +352,22 @@ def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> An
     return AutoTokenizer.from_pretrained(path)
 
 
+def freeze(hf: nn.Module) -> None:
+    """Eval mode and parameters without gradients: kvnotes only reads models, and what a user's
+    nnsight trace saves then carries no `requires_grad` (no autograd graph kept alive).
+    `model.hf.requires_grad_(True)` turns gradients back on for attribution through nnsight."""
+    hf.eval()
+    hf.requires_grad_(False)
+
+
 def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> LoadedModel:
     """Wrap an already-built HF causal LM of a supported family for the kvnotes engine.
 
     For a model you loaded or modified yourself (a fine-tune, a tiny random one): the family
     adapter comes from its config's `model_type`, nothing is checked or moved, and blocks it
     stores are told apart by a fingerprint of its parameters. Pass the tokenizer for `EditableCache`
-    and `.nnsight`.
+    and `.nnsight`. Your module's `requires_grad` flags are left as they are (`freeze(hf)` turns
+    them off, as `load_model` does, so nnsight outputs carry no gradient).
     """
     config: Any = hf.config
     adapter = adapter_for(config.get_text_config(decoder=True).model_type)

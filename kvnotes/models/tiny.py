@@ -14,7 +14,7 @@ import torch
 
 from kvnotes.models.adapters import FAMILIES, adapter_for
 from kvnotes.models.adapters.base import TINY_COMMON
-from kvnotes.models.loading import LoadedModel, wrap_model
+from kvnotes.models.loading import LoadedModel, freeze, wrap_model
 
 _COMMON = TINY_COMMON  # the sizes every family's tiny config shares (older imports)
 
@@ -51,6 +51,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -
     cfg._attn_implementation = adapter_for(family).attn_implementation
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    freeze(hf)  # as load_model: inference only, nnsight outputs without requires_grad
     return wrap_model(hf, tiny_tokenizer(), name=f"tiny-{family}")
 
 
@@ -83,6 +84,7 @@ def random_model(folder: str, device: str = "auto", dtype: str = "auto", seed: i
     torch.manual_seed(seed)
     with torch.device(dev):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    freeze(hf)
     model = wrap_model(hf, AutoTokenizer.from_pretrained(str(path)), name=f"random:{path.name}")
     if dev.type != "meta":  # on meta (sizes only, for a memory check) there are no values to hash
         model.checksum = weights_id(model)
