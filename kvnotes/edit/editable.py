@@ -117,7 +117,8 @@ class EditableCache:
         self.model, self.prompt = model, text
         self.ids = self._encode(text)
         if len(self.ids) < 2:
-            raise EditError("the prompt must be at least two tokens long")
+            raise EditError("the prompt must be at least two tokens long (the cache holds all but "
+                            "the last: docs/conventions.md)")
         self.cache = prefill(model, self.ids[:-1]).cache
         self._resynced = 0  # tokens recomputed to bring a resumed cache in line (from_result)
 

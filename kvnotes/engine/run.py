@@ -234,8 +234,8 @@ def extend_many(
 
 @torch.inference_mode()
 def full_logits(model: LoadedModel, ids: Ids) -> Float[Tensor, "batch pos vocab"]:
-    """Plain forward without any cache: the reference every cached path must match."""
-    x = as_ids(model, ids)
+    """Plain forward without any cache (text: special tokens added, as `prefill`): the reference."""
+    x = as_ids(model, ids, bos=True)
     return model.hf(input_ids=x, use_cache=False).logits.float()
 
 
