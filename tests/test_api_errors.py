@@ -78,3 +78,11 @@ def test_old_text_missing_is_not_the_ambiguous_case(model):
         ec.edit("account_role", "role")
     with pytest.raises(EditError, match="insert_before 'Question:' is not in the prompt"):
         ec.transplant(splice.prefill_block(model, [5, 6]), insert_before="Question:")
+
+
+@pytest.mark.real
+def test_real_chat_messages_equal_the_templated_text(llama):
+    chat = [{"role": "user", "content": demo_prompt()}]
+    text = llama.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    a, b = EditableCache(llama, chat), EditableCache(llama, text)
+    assert a.prompt == b.prompt and a.ids == b.ids and a.cache.max_abs_diff(b.cache) == 0.0
