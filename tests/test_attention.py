@@ -205,7 +205,7 @@ def test_recompute_refusals(tiny):
     assert run.recompute(tiny, c, list(range(7, 17)), []) is c
     with pytest.raises(IndexError, match=r"0\.\.9"):
         run.recompute(tiny, c, list(range(7, 17)), [10])
-    with pytest.raises(IndexError, match="ids cover them"):
+    with pytest.raises(IndexError, match=r"ids \(5 tokens\) must cover the 10 cached positions"):
         run.recompute(tiny, c, list(range(7, 12)), [3])
     with pytest.raises(ValueError, match="batch-1"):
         run.recompute(tiny, _batch2(c), list(range(7, 17)), [3])

@@ -305,3 +305,38 @@ def test_real_nnsight_patches_match_hooks(real):
     heads = [(layer, 0), (layer, 5), (20, 3)]
     got = patch_head_outputs(real, dst, src, heads, -1)
     assert (got - manual_head_patch(real, dst, src, heads, -1)).abs().max().item() <= 1e-4
+
+
+# --- what a user's own trace hands back (issue #34) ---------------------------------------------------
+def _trace_edited(model: LoadedModel, strategy: str) -> tuple[Tensor, Tensor, Any]:
+    """The documented recipe, as a user writes it (no torch.no_grad): nnsight's and model.hf's
+    logits of the last prompt token on an edited cache, and the edit."""
+    from kvnotes import EditableCache
+    from kvnotes.edit.editable import demo_prompt
+
+    edit = EditableCache(model, demo_prompt()).edit("account_role: admin", "account_role: guest",
+                                                    strategy=strategy)
+    last = torch.tensor([edit.ids[-1:]])  # [1, 1]: the cache holds every token but the last
+    with model.nnsight.trace(last, past_key_values=edit.cache.to_dynamic()):
+        logits = model.nnsight.output.logits.save()
+    hf_logits = model.hf(input_ids=last, past_key_values=edit.cache.to_dynamic()).logits
+    return logits, hf_logits, edit
+
+
+def test_a_users_trace_carries_no_grad():
+    logits, hf_logits, _ = _trace_edited(tiny_model("qwen2"), "erratum")
+    assert not logits.requires_grad and not hf_logits.requires_grad
+    assert torch.equal(logits, hf_logits)
+
+
+@pytest.mark.real
+def test_real_trace_on_an_edit_equals_hf_and_the_engine_within_rounding(real):
+    """nnsight = model.hf bit for bit; = kvnotes' next_token_logits within fp32 rounding (the engine
+    attends through kvnotes.engine.causal, another summation order): the bound the docs state."""
+    worst = 0.0
+    for strategy in ("erratum", "full_downstream", "selective"):
+        logits, hf_logits, edit = _trace_edited(real, strategy)
+        assert not logits.requires_grad and torch.equal(logits, hf_logits)
+        worst = max(worst, (logits[0, -1].float() - edit.next_token_logits()).abs().max().item())
+    print(f"nnsight vs next_token_logits on llama fp32: max |diff| = {worst:.2e}")
+    assert worst <= 5e-5

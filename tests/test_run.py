@@ -141,15 +141,15 @@ def test_text_without_a_tokenizer_is_refused(tiny):
         run.prefill(bare, "hello")
 
 
-def test_read_variants_refuses_negative_positions_as_patch_does(tiny):
+def test_read_variants_refuses_out_of_range_positions_as_patch_does(tiny):
     from kvnotes.engine.cache import patch
 
     g = torch.Generator().manual_seed(0)
     c = run.prefill(tiny, torch.randint(0, 128, (1, 10), generator=g)).cache
-    with pytest.raises(IndexError, match=r"positions out of range 0\.\.9") as want:
-        patch(c, c, [-1])
+    with pytest.raises(IndexError, match=r"position -11 out of range for a cache of 10 positions") as want:
+        patch(c, c, [-11])
     with pytest.raises(IndexError) as got:
-        variants.read_variants(tiny, c, c, [[2], [-1]], [5])
+        variants.read_variants(tiny, c, c, [[2], [-11]], [5])
     assert str(got.value) == str(want.value)
 
 

@@ -8,10 +8,17 @@ byte-identical, as a serving prefix cache wants), `field_only` rewrites the valu
 everything from the value on, `oracle` re-prefills. `transplant` splices precompiled blocks (from
 `kvnotes.compose.splice` or the store) into the prompt, each rotated to where it lands, its first `seam`
 tokens recomputed (seam = block length is exact). The result works with `model.generate` and,
-through `cache.to_dynamic()`, with nnsight:
+through `cache.to_dynamic()`, with nnsight; its cache holds every token but the last, which the
+trace runs (docs/conventions.md):
+
     r = EditableCache(model, prompt).edit("account_role: admin", "account_role: guest")
     with model.nnsight.trace(torch.tensor([r.ids[-1:]]), past_key_values=r.cache.to_dynamic()):
-        logits = model.nnsight.output.logits.save()  # = model.hf on that cache, bit for bit
+        logits = model.nnsight.output.logits.save()
+
+`logits` equals `model.hf` on that cache bit for bit (the same modules, the same kernel), and
+`r.next_token_logits()` within fp32 rounding, not bit for bit: kvnotes runs its own attention
+path (kvnotes.engine.causal), which sums in another order (2.1e-5 at most on llama in fp32,
+over three strategies; tests/test_nnsight.py holds it to 5e-5).
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from kvnotes.compose.store import load_block
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
 from kvnotes.engine.cache import KVCache
-from kvnotes.engine.run import extend, generate, prefill, recompute
+from kvnotes.engine.generation import GenerateOutput, generate
+from kvnotes.engine.run import extend, prefill, recompute
 from kvnotes.engine.variants import read_variants
 from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel
@@ -55,37 +63,97 @@ class EditResult:
         return str(self.model.tokenizer.decode(list(self.ids)))
 
     def next_token_logits(self) -> torch.Tensor:
+        """Logits [vocab] (fp32) of the token after the prompt: the last id run on the cache."""
         return extend(self.model, self.cache, list(self.ids[-1:])).logits[0, -1]
 
-    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> str:
-        """Continuation from the edited cache (`model.generate` on a DynamicCache).
+    def edit(self, old: str, new: str, strategy: str = "erratum", **kwargs: Any) -> EditResult:
+        """Edit this edited prompt again, from its cache (`EditableCache.edit`'s arguments): a chain
+        of edits and transplants never starts over."""
+        return EditableCache.from_result(self).edit(old, new, strategy, **kwargs)
+
+    def transplant(self, blocks: BlockLike | Sequence[BlockLike], seam: int = 0,
+                   insert_before: str | None = None) -> EditResult:
+        """Splice precompiled blocks into this edited prompt, from its cache
+        (`EditableCache.transplant`'s arguments)."""
+        return EditableCache.from_result(self).transplant(blocks, seam, insert_before)
+
+    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> GenerateOutput:
+        """Continuation from the edited cache (`model.generate` on a DynamicCache copy of it).
 
         Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
-        `temperature`, `top_p`, a `generation_config`, ...).
+        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`, a
+        `generation_config`, ...). Returns a `GenerateOutput`: `.text` (also `str(out)`),
+        `.texts`, `.ids` (the new tokens, [n, new]), `.sequences`, and `.scores` when asked.
         """
         gen = {"do_sample": False, **kwargs}
-        out = generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
-        return str(self.model.tokenizer.decode(out[0, len(self.ids):], skip_special_tokens=True))
+        return generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
+
+
+Messages = Sequence[dict[str, str]]  # chat messages: [{"role": "user", "content": "..."}, ...]
+
+
+def chat_text(model: LoadedModel, messages: Messages) -> str:
+    """The prompt text of chat `messages` by the model's chat template, generation prompt added."""
+    if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+        raise EditError("a chat prompt is a list of {'role': ..., 'content': ...} dicts")
+    if not getattr(model.tokenizer, "chat_template", None):
+        raise EditError(f"model {model.name!r} has no chat template, so chat messages cannot be "
+                        f"turned into a prompt; pass the prompt as text")
+    return str(model.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                   add_generation_prompt=True))
 
 
 class EditableCache:
-    """The cache of one prompt (text, tokenized without special tokens added)."""
+    """The cache of one prompt: text (tokenized as it is: no special tokens added, so a chat
+    template's own markers are the only ones), or chat messages (a list of {"role", "content"}
+    dicts, rendered by the model's chat template with the generation prompt). See
+    docs/conventions.md for what the cache holds (every token but the last)."""
 
-    def __init__(self, model: LoadedModel, prompt: str) -> None:
+    def __init__(self, model: LoadedModel, prompt: str | Messages) -> None:
         if model.tokenizer is None:
             raise EditError("EditableCache needs a model with a tokenizer")
-        self.model, self.prompt = model, prompt
-        self.ids = self._encode(prompt)
+        if isinstance(prompt, dict) or not isinstance(prompt, str | Sequence):
+            raise EditError(f"the prompt is text or a list of chat messages, not {type(prompt).__name__}")
+        text = prompt if isinstance(prompt, str) else chat_text(model, prompt)
+        self.model, self.prompt = model, text
+        self.ids = self._encode(text)
         if len(self.ids) < 2:
-            raise EditError("the prompt must be at least two tokens long")
+            raise EditError("the prompt must be at least two tokens long (the cache holds all but "
+                            "the last: docs/conventions.md)")
         self.cache = prefill(model, self.ids[:-1]).cache
+        self._resynced = 0  # tokens recomputed to bring a resumed cache in line (from_result)
+
+    @classmethod
+    def from_result(cls, result: EditResult) -> EditableCache:
+        """An EditableCache of an edited prompt (its text), over the result's cache: no prefill.
+
+        Edits find text in the prompt, so its ids must be what the text tokenizes to; where a
+        splice seam tokenizes otherwise (a BPE merge across it), the cache is kept up to the first
+        differing token and the rest recomputed once (counted in the next result's `recomputed`).
+        """
+        self = cls.__new__(cls)
+        self.model, self.prompt, self.cache = result.model, result.text, result.cache
+        self.ids, self._resynced = self._encode(self.prompt), 0
+        if self.ids != result.ids:
+            c = next((i for i, (a, b) in enumerate(zip(self.ids, result.ids)) if a != b),
+                     min(len(self.ids), len(result.ids)))
+            c = min(c, self.cache.seq_len, len(self.ids) - 1)
+            rest = list(self.ids[c:-1])
+            self.cache = self.cache.slice(0, c)
+            if rest:
+                self.cache = extend(self.model, self.cache, rest).cache
+            self._resynced = len(self.ids) - 1 - c
+        return self
 
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _locate(self, old: str) -> int:
         n = self.prompt.count(old)
-        if n != 1:
+        if n == 0:
+            raise EditError(f"{old!r} is not in the prompt{_near(self.prompt, old)}; check the text "
+                            f"(case, spaces and line breaks count)")
+        if n > 1:
             raise EditError(f"{old!r} occurs {n} times in the prompt; give a longer, unique text "
                             f"(e.g. 'account_role: admin')")
         return self.prompt.index(old)
@@ -116,7 +184,7 @@ class EditableCache:
             return EditResult(self.model, new_ids, prefill(self.model, new_ids[:-1]).cache, strategy, len(new_ids))
         if strategy == "full_downstream":
             cache = extend(self.model, self.cache.slice(0, c), new_ids[c:-1]).cache
-            return EditResult(self.model, new_ids, cache, strategy, len(new_ids) - c)
+            return EditResult(self.model, new_ids, cache, strategy, len(new_ids) - c + self._resynced)
         if len(new_ids) != len(self.ids):
             raise EditError(f"{old!r} and {new!r} tokenize to different lengths here, so the cache "
                             f"cannot be edited in place; use strategy 'erratum' or 'full_downstream'")
@@ -125,7 +193,7 @@ class EditableCache:
             raise EditError("the value must change and lie before the last token")
         chosen = span if strategy == "field_only" else span + self._notes(span[-1] + 1)[:k]
         cache = recompute(self.model, self.cache, new_ids[:-1], chosen)
-        return EditResult(self.model, new_ids, cache, strategy, len(set(chosen)))
+        return EditResult(self.model, new_ids, cache, strategy, len(set(chosen)) + self._resynced)
 
     def _notes(self, start: int) -> list[int]:
         """Positions after `start` by the last token's attention (mean over layers and heads)."""
@@ -157,7 +225,8 @@ class EditableCache:
         ids = self.ids[:b] + err + self.ids[b:]
         cache = extend(self.model, self.cache.slice(0, min(b, self.cache.seq_len)),
                        list(ids[min(b, self.cache.seq_len):-1])).cache
-        return EditResult(self.model, ids, cache, "erratum", len(ids) - 1 - min(b, self.cache.seq_len))
+        done = len(ids) - 1 - min(b, self.cache.seq_len)
+        return EditResult(self.model, ids, cache, "erratum", done + self._resynced)
 
 
     def transplant(self, blocks: BlockLike | Sequence[BlockLike], seam: int = 0,
@@ -179,9 +248,12 @@ class EditableCache:
             raise EditError("a block was prefilled by a model with another number of layers")
         b = len(self.ids)
         if insert_before is not None:
-            if (n := self.prompt.count(insert_before)) != 1:
+            if (n := self.prompt.count(insert_before)) == 0:
+                raise EditError(f"insert_before {insert_before!r} is not in the prompt"
+                                f"{_near(self.prompt, insert_before)}; check the text")
+            if n > 1:
                 raise EditError(f"insert_before {insert_before!r} occurs {n} times in the prompt; "
-                                f"give a unique text")
+                                f"give a longer, unique text")
             b = self._boundary(self.prompt.index(insert_before))
             if b == 0:
                 raise EditError("blocks go after at least one prompt token")
@@ -197,7 +269,18 @@ class EditableCache:
         if rest:
             cache = extend(self.model, cache, rest).cache
         recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
-        return EditResult(self.model, ids, cache, "transplant", recomputed)
+        return EditResult(self.model, ids, cache, "transplant", recomputed + self._resynced)
+
+
+def _near(prompt: str, old: str, width: int = 60) -> str:
+    """Where `old` nearly occurs (ignoring case and spacing), else how the prompt begins."""
+    squash = " ".join(old.split()).lower()
+    flat = " ".join(prompt.split())
+    at = flat.lower().find(squash) if squash else -1
+    if at >= 0:
+        return f" (but {flat[at : at + len(squash)]!r} is, differing in case or spacing)"
+    head = prompt[:width] + ("..." if len(prompt) > width else "")
+    return f" (which begins {head!r})"
 
 
 def demo_prompt() -> str:

@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from kvnotes.engine.cache import KVCache, patch
+from kvnotes.engine.cache import KVCache, absolute_positions, patch
 from kvnotes.engine.run import early_keys, extend, prefill, recompute_extend
 from kvnotes.engine.variants import read_variants
 from kvnotes.measure.timing import timed
@@ -121,8 +121,10 @@ class Editor:
         return _timed(lambda: self._read(self.stale, 1, self.item.old_ids), "stale", self.n, self.model.device)
 
     def selective(self, positions: Sequence[int], mode: str = "recompute", name: str | None = None) -> EditState:
-        """Recompute `positions` (the field always included) against stale neighbours, or copy them."""
-        pos = sorted(set(range(*self.item.field_span)) | set(positions))
+        """Recompute `positions` (the field always included; negative ones count from the end of the
+        stale cache) against stale neighbours, or copy them."""
+        given = absolute_positions(list(positions), self.stale.seq_len).tolist()
+        pos = sorted(set(range(*self.item.field_span)) | set(given))
         if mode not in ("recompute", "copy"):
             raise ValueError(f"mode {mode!r}; valid: recompute, copy")
 

@@ -23,6 +23,17 @@ from torch import Tensor
 KV = Float[Tensor, "batch kv_head pos d_head"]
 
 
+def absolute_positions(positions: Sequence[int] | Tensor, n: int) -> Tensor:
+    """Positions of a cache of `n` as a long tensor in 0..n-1; negative ones count from the end
+    (-1 is the last cached token), as Python and TransformerLens do. IndexError past either end."""
+    idx = torch.as_tensor(positions, dtype=torch.long)
+    bad = idx[(idx < -n) | (idx >= n)]
+    if bad.numel():
+        raise IndexError(f"position {int(bad[0])} out of range for a cache of {n} positions (valid: "
+                         f"0..{n - 1}, or -{n}..-1 from the end; docs/conventions.md, positions)")
+    return torch.where(idx < 0, idx + n, idx)
+
+
 @dataclass(frozen=True)
 class KVCache:
     keys: tuple[KV, ...]
@@ -109,7 +120,8 @@ class KVCache:
         return self.map(lambda t: t[:, :, start:stop])
 
     def select(self, positions: Sequence[int] | Tensor) -> KVCache:
-        idx = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        """Positions `positions` of every layer, in that order (negative: from the end)."""
+        idx = absolute_positions(positions, self.seq_len).to(self.device)
         return self.map(lambda t: t.index_select(2, idx))
 
     def batch_item(self, i: int) -> KVCache:
@@ -164,7 +176,8 @@ def patch(
     positions: Sequence[int] | Tensor | None = None,
     layers: Sequence[int] | None = None,
 ) -> KVCache:
-    """A copy of `dst` whose K and V at `positions` (all if None) and `layers` (all) come from `src`.
+    """A copy of `dst` whose K and V at `positions` (all if None; negative ones count from the
+    end) and `layers` (all) come from `src`.
 
     Both caches must be aligned (same positions mean the same token slots), as old and new
     prompts of a task item are by construction.
@@ -177,12 +190,7 @@ def patch(
     bad = [layer for layer in chosen if not 0 <= layer < dst.n_layers]
     if bad:
         raise IndexError(f"layers {bad} out of range 0..{dst.n_layers - 1}")
-    if positions is None:
-        idx = None
-    else:
-        idx = torch.as_tensor(positions, dtype=torch.long, device=dst.device)
-        if idx.numel() and (idx.min() < 0 or idx.max() >= dst.seq_len):
-            raise IndexError(f"positions out of range 0..{dst.seq_len - 1}")
+    idx = None if positions is None else absolute_positions(positions, dst.seq_len).to(dst.device)
 
     def one(a: Tensor, b: Tensor, i: int) -> Tensor:
         if i not in chosen:

@@ -24,7 +24,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from kvnotes.engine import causal
-from kvnotes.engine.cache import KVCache, buffers, dynamic, from_slots, slots_class, stack
+from kvnotes.engine.cache import (
+    KVCache,
+    absolute_positions,
+    buffers,
+    dynamic,
+    from_slots,
+    slots_class,
+    stack,
+)
 from kvnotes.errors import ConfigError
 from kvnotes.models.loading import LoadedModel
 
@@ -33,7 +41,13 @@ Ids = Int[Tensor, "batch pos"] | Sequence[int] | Tensor | str
 
 @dataclass(frozen=True)
 class Step:
-    """Logits of the last `logits_to_keep` new positions (fp32) and the extended cache."""
+    """Logits of the new positions (fp32) and the extended cache.
+
+    `logits` is [batch, keep, vocab]: by default keep = 1, the next-token logits of the last
+    position (`step.logits[0, -1]`); `all_logits=True` (or `logits_to_keep=0`) keeps every new
+    position, as TransformerLens and a plain HF forward return them, and `logits_to_keep=k` the
+    last k. `cache` holds every position run so far (docs/conventions.md).
+    """
 
     logits: Float[Tensor, "batch keep vocab"]
     cache: KVCache
@@ -61,6 +75,19 @@ def check_positions(model: LoadedModel, cached: int, new: int) -> None:
         what = f"{cached} cached + {new} new = {cached + new}" if cached else str(new)
         raise ConfigError(f"{what} positions exceed model {model.name!r}, which has {limit} "
                           f"(max_position_embeddings); keep prompt and cache within {limit} tokens")
+
+
+def check_cache(model: LoadedModel, cache: KVCache, what: str = "cache") -> None:
+    """ConfigError when `cache` cannot run with `model`: another dtype or another number of layers
+    (before the attention kernel's own error). docs/conventions.md, "Dtypes and devices"."""
+    if cache.n_layers != model.n_layers:
+        raise ConfigError(f"{what} has {cache.n_layers} layers but model {model.name!r} has "
+                          f"{model.n_layers}: it was made by another model")
+    if cache.dtype != model.dtype:
+        have, want = (str(t).removeprefix("torch.") for t in (cache.dtype, model.dtype))
+        raise ConfigError(f"{what} is {have} but model {model.name!r} runs in {want}: convert it "
+                          f"with cache.to(dtype=torch.{want}) or load the model with dtype={have!r} "
+                          f"(docs/conventions.md, dtypes)")
 
 
 @contextmanager
@@ -104,17 +131,22 @@ def _forward(
 
 @torch.inference_mode()
 def extend(
-    model: LoadedModel, cache: KVCache | None, ids: Ids, logits_to_keep: int = 1
+    model: LoadedModel, cache: KVCache | None, ids: Ids, logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Step:
     """Run `ids` (or text, tokenized without special tokens) after `cache` (None: from position 0).
 
-    `logits_to_keep=0` keeps every position. The cache is copied once into buffers with room for
-    `ids` (`extend_into` runs the forward into them), so `cache` itself is never changed.
+    Logits of the last new position, or of every new one with `all_logits=True` (same as
+    `logits_to_keep=0`). The cache is copied once into buffers with room for `ids`
+    (`extend_into` runs the forward into them), so `cache` itself is never changed.
     """
+    logits_to_keep = _keep(logits_to_keep, all_logits)
     x = as_ids(model, ids)
     b, n = x.shape
     if cache is not None and cache.batch not in (1, b):
         raise ValueError(f"cache batch {cache.batch} != ids batch {b}")
+    if cache is not None:
+        check_cache(model, cache)
     if cache is None:  # buffers shaped by the first layer's states, inside the forward
         return _run_slots(model, x, [slots_class()(None, None, 0, n) for _ in range(model.n_layers)], 0,
                           logits_to_keep)
@@ -148,6 +180,7 @@ def extend_into(
         raise ValueError(f"buffers hold {room} positions; {filled} filled + {n} new do not fit")
     if any(int(t.shape[0]) != b for t in (*keys, *values)):
         raise ValueError(f"buffers' batch differs from the ids' batch {b}")
+    check_cache(model, KVCache(tuple(keys), tuple(values)), "the buffers' cache")
     return _run_slots(model, x, [slots_class()(k, v, filled, n) for k, v in zip(keys, values)], filled,
                       logits_to_keep)
 
@@ -161,9 +194,20 @@ def _run_slots(model: LoadedModel, x: Tensor, layers: list[Any], start: int, log
     return Step(out.logits.float(), from_slots(past))
 
 
-def prefill(model: LoadedModel, ids: Ids, logits_to_keep: int = 1) -> Step:
-    """A clean prefill of `ids` from position 0; text is tokenized as the tokenizer does (BOS too)."""
-    return extend(model, None, as_ids(model, ids, bos=True), logits_to_keep)
+def _keep(logits_to_keep: int, all_logits: bool) -> int:
+    """The LM head's `logits_to_keep` (0: every position) from the public arguments."""
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ConfigError(f"logits_to_keep={logits_to_keep!r}: the last k >= 1, or 0 (all_logits=True)")
+    return 0 if all_logits else logits_to_keep
+
+
+def prefill(model: LoadedModel, ids: Ids, logits_to_keep: int = 1, all_logits: bool = False) -> Step:
+    """A clean prefill of `ids` from position 0; text is tokenized as the tokenizer does (BOS too).
+
+    `step.logits` is [batch, 1, vocab] (the next token), or [batch, pos, vocab] with
+    `all_logits=True`; `step.cache` holds all pos tokens (docs/conventions.md).
+    """
+    return extend(model, None, as_ids(model, ids, bos=True), logits_to_keep, all_logits)
 
 
 def extend_many(
@@ -172,6 +216,7 @@ def extend_many(
     ids: Ids,
     batch_size: int = 8,
     logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Float[Tensor, "n keep vocab"]:
     """Logits of the same continuation `ids` after each of many equal-length batch-1 caches.
 
@@ -183,14 +228,14 @@ def extend_many(
     out = []
     for start in range(0, len(caches), batch_size):
         chunk = stack(caches[start : start + batch_size])
-        out.append(extend(model, chunk, x.expand(chunk.batch, -1), logits_to_keep).logits)
+        out.append(extend(model, chunk, x.expand(chunk.batch, -1), logits_to_keep, all_logits).logits)
     return torch.cat(out, dim=0)
 
 
 @torch.inference_mode()
 def full_logits(model: LoadedModel, ids: Ids) -> Float[Tensor, "batch pos vocab"]:
-    """Plain forward without any cache: the reference every cached path must match."""
-    x = as_ids(model, ids)
+    """Plain forward without any cache (text: special tokens added, as `prefill`): the reference."""
+    x = as_ids(model, ids, bos=True)
     return model.hf(input_ids=x, use_cache=False).logits.float()
 
 
@@ -267,7 +312,8 @@ def forward_at(
 
 @torch.inference_mode()
 def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[int]) -> KVCache:
-    """A copy of `cache` whose K/V at `positions` are recomputed from `ids` against the rest.
+    """A copy of `cache` whose K/V at `positions` (negative: from the end) are recomputed from
+    `ids` against the rest.
 
     `ids` are the tokens of the whole cached sequence as it should now read (e.g. the new
     prompt); the tokens at `positions` run through the model at their own positions, seeing the
@@ -277,12 +323,13 @@ def recompute(model: LoadedModel, cache: KVCache, ids: Ids, positions: Sequence[
     the chosen tokens (no LM head).
     """
     x = as_ids(model, ids)
+    check_cache(model, cache)
     n = cache.seq_len
-    chosen = sorted(set(int(p) for p in positions))
+    chosen = sorted(set(absolute_positions(list(positions), n).tolist()))  # negative: from the end
     if not chosen:
         return cache
-    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
-        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    if x.shape[1] < n:
+        raise IndexError(f"ids ({x.shape[1]} tokens) must cover the {n} cached positions")
     if cache.batch != 1:
         raise ValueError(f"recompute takes a batch-1 cache, got batch {cache.batch}")
     keys, values = buffers(cache, len(chosen), 1, model.device)
@@ -298,15 +345,19 @@ def recompute_extend(
     positions: Sequence[int],
     tail: Ids,
     logits_to_keep: int = 1,
+    all_logits: bool = False,
 ) -> Step:
-    """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache."""
+    """`extend(recompute(cache, ids, positions), tail)` in one forward and one copy of the cache
+    (logits of the tail's last token, or of every tail token with `all_logits=True`)."""
+    logits_to_keep = _keep(logits_to_keep, all_logits)
     x, t = as_ids(model, ids), as_ids(model, tail)
+    check_cache(model, cache)
     n = cache.seq_len
-    chosen = sorted(set(int(p) for p in positions))
+    chosen = sorted(set(absolute_positions(list(positions), n).tolist()))  # negative: from the end
     if not chosen:
         return extend(model, cache, t, logits_to_keep)
-    if chosen[0] < 0 or chosen[-1] >= n or x.shape[1] < n:
-        raise IndexError(f"positions must be in 0..{n - 1} and ids cover them")
+    if x.shape[1] < n:
+        raise IndexError(f"ids ({x.shape[1]} tokens) must cover the {n} cached positions")
     if cache.batch != 1 or t.shape[0] != 1:
         raise ValueError("recompute_extend takes a batch-1 cache and one tail")
     m = t.shape[1]
@@ -358,15 +409,3 @@ def prefill_at(model: LoadedModel, ids: Ids, start: int) -> KVCache:
     pos = torch.arange(start, start + x.shape[1], device=model.device)[None]  # [1, pos]
     out = model.hf(input_ids=x, position_ids=pos, past_key_values=DynamicCache(), use_cache=True)
     return KVCache.from_dynamic(out.past_key_values)
-
-
-@torch.inference_mode()
-def generate(model: LoadedModel, cache: KVCache, ids: Ids, max_new_tokens: int, **kwargs: Any) -> Any:
-    """transformers' `generate` continuing `ids` after `cache` (a `DynamicCache` copy of it, so
-    `cache` is unchanged); `kwargs` pass through (sampling, `num_return_sequences`, ...)."""
-    x = as_ids(model, ids)
-    return model.hf.generate(  # type: ignore[operator]
-        input_ids=x, attention_mask=torch.ones_like(x),
-        past_key_values=cache.to(device=model.device).to_dynamic(),
-        max_new_tokens=max_new_tokens, **kwargs,
-    )

@@ -17,17 +17,10 @@ from jaxtyping import Float
 from torch import Tensor
 
 from kvnotes.engine import attention
-from kvnotes.engine.cache import KVCache
-from kvnotes.engine.run import Ids, as_ids, attention_impl
+from kvnotes.engine.cache import KVCache, absolute_positions
+from kvnotes.engine.run import Ids, as_ids, attention_impl, check_cache
 from kvnotes.measure import timing
 from kvnotes.models.loading import LoadedModel
-
-
-def check_positions(positions: Sequence[int] | Tensor, n: int) -> None:
-    """The error `cache.patch` raises: every position must be in 0..n-1."""
-    idx = torch.as_tensor(positions, dtype=torch.long)
-    if idx.numel() and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"positions out of range 0..{n - 1}")
 
 
 def variant_batch_size(model: LoadedModel, n_cached: int, tail: int, width: int,
@@ -62,7 +55,8 @@ def read_variants(
 ) -> Float[Tensor, "n tail vocab"]:
     """Logits of `ids` after each variant of `base` with K/V at positions[i] (layers[i]) from `src`.
 
-    Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i, without
+    Equal to `extend(patch(base, src, positions[i], layers[i]), ids)` for every i (negative
+    positions count from the end of the cache, as in `patch`), without
     building the patched caches (see kvnotes.engine.attention). Knockout: `key_mask[i, p]` hides cached
     key p from the tail at the layers `mask_layers[i]` and query heads `mask_heads[i]` (None: all).
     `capture` (a list) receives one dict per batch of {layer: attention weights of the tail}.
@@ -72,8 +66,9 @@ def read_variants(
     x = as_ids(model, ids)
     if base.batch != 1 or src.batch != 1 or base.seq_len != src.seq_len:
         raise ValueError("read_variants needs aligned batch-1 caches")
-    for p in positions:
-        check_positions(list(p), base.seq_len)
+    check_cache(model, base)
+    check_cache(model, src, "the source cache")
+    positions = [absolute_positions(list(p), base.seq_len).tolist() for p in positions]  # -1: last
     n, L = len(positions), base.n_layers
     width = max([len(p) for p in positions] + [1])
     if batch_size is None:

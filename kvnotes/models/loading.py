@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
+from kvnotes.errors import ConfigError
 from kvnotes.measure import margins, timing
 from kvnotes.models.adapters import FamilyAdapter, adapter_for
 from kvnotes.models.integrity import WeightsCheck, safetensors_header
@@ -44,17 +45,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 VERIFY_WEIGHTS = ("header", "full")  # what a load checks of a packaged model's files (load_model)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when present, else CPU; anything else is passed to torch.device."""
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` picks CUDA when present, else CPU; anything else is passed to torch.device.
+
+    A device this machine lacks (`cuda` without CUDA, `mps` without MPS) is a `ConfigError`
+    naming what is there, before any weights are read, not torch's error at the first copy."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device {device!r}; valid: auto, cpu, cuda, cuda:N, mps ({_line(e)})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {str(device)!r} asked for, but CUDA is not available here "
+                              f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+                              f"use device='cpu' or 'auto'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(device)!r} asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); use cuda:0.."
+                              f"{torch.cuda.device_count() - 1} or 'auto'")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {str(device)!r} asked for, but MPS is not available here; use "
+                          f"device='cpu' or 'auto'")
+    return dev
 
 
 def resolve_dtype(
-    dtype: str | None, spec: ModelSpec | None = None, device: torch.device | str | None = None
+    dtype: str | torch.dtype | None, spec: ModelSpec | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.dtype:
-    """The torch dtype for a name; `auto` picks the fastest exact-enough dtype for the device.
+    """The torch dtype for a name or a torch dtype (float32, bfloat16, float16); `auto` picks the fastest exact-enough dtype for the device.
 
     auto: bf16 on a GPU that computes it natively (else fp32). On a CPU, fp32 when the fp32
     weights fit in half the free memory, except bf16 when the model is declared fine in bf16
@@ -63,13 +84,12 @@ def resolve_dtype(
     GFLOPS measured), so bf16 there only when fp32 does not fit. The choice and its reason are
     logged (logger kvnotes.models.loading).
     """
-
-
-    if dtype not in (None, "auto"):
-        try:
-            return DTYPES[str(dtype)]
-        except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)}") from None
+    if dtype not in (None, "auto"):  # a name, "torch.float16", or torch.float16 itself
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+        raise ConfigError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(DTYPES)} "
+                          f"(as strings or torch dtypes, e.g. torch.bfloat16)")
     dev = resolve_device("auto") if device is None else torch.device(device)
     declared = spec.default_dtype if spec else "float32"
     params: float | None = None  # from the packaged GGUF (about 4.5 bits a weight) or the name
@@ -260,8 +280,8 @@ def check_finite_logits(model: LoadedModel, fix: str) -> None:
 
 def load_model(
     name: str,
-    device: str = "auto",
-    dtype: str | None = "auto",
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = "auto",
     cache: str | os.PathLike[str] | None = None,
     download: bool = False,
     check_logits: bool = True,
@@ -275,22 +295,31 @@ def load_model(
     tensor's data passes, and the provenance says its `weights_sha256` is the conversion's
     record), `full` re-hashes every byte (0.36 s for llama's 517 MB on a 2-core EPYC). Hub models
     go through `from_pretrained` with the hub id. A name that is not registered but is a folder or
-    an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`). Unless
-    `check_logits` is off, a short prompt must give finite logits.
+    an `org/name` id loads as an HF checkpoint of a supported family (`checkpoint_spec`); the
+    hub id a registered model was made from (its `aliases`, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for `llama`) loads that registered model, offline. Unless `check_logits` is off, a short
+    prompt must give finite logits. `dtype` is a name or a torch dtype; a `device` this machine
+    lacks is a `ConfigError` before any weights are read.
     """
     # deferred: transformers is heavy and only this path needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if verify_weights not in VERIFY_WEIGHTS:
         raise ValueError(f"verify_weights={verify_weights!r}; valid: {', '.join(VERIFY_WEIGHTS)}")
-    try:
+    dev = resolve_device(device)
+    try:  # a registered name or alias; a folder of that name is a checkpoint
         spec = get_spec(name)
+        if spec.name != name and Path(name).expanduser().is_dir():
+            spec = checkpoint_spec(name)
+        elif spec.name != name:
+            logging.getLogger(__name__).info("%s is the registered model %r (%s)", name, spec.name,
+                                             spec.description)
+            name = spec.name
     except UnknownModelError as e:
         if not looks_like_checkpoint(name):
             raise UnknownModelError(f"{e}; or give an HF checkpoint folder or hub id") from None
         spec = checkpoint_spec(name)
     adapter = adapter_for(spec.family)
-    dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, spec, dev)
     check: WeightsCheck | None = None
     if spec.source == "package":
@@ -319,7 +348,7 @@ def load_model(
     except SafetensorError as e:  # a file damaged in a way the cheap check cannot see
         raise WeightsError(f"model folder {path} is damaged ({_line(e)}); {fix}") from e
     hf.to(dev)  # type: ignore[arg-type]
-    hf.eval()
+    freeze(hf)
     if spec.source == "hub":
         checksum = getattr(hf.config, "_commit_hash", None)
     limit = getattr(adapter.text_config(hf), "max_position_embeddings", None)
@@ -340,13 +369,22 @@ def load_tokenizer(name: str, cache: str | os.PathLike[str] | None = None) -> An
     return AutoTokenizer.from_pretrained(path)
 
 
+def freeze(hf: nn.Module) -> None:
+    """Eval mode and parameters without gradients: kvnotes only reads models, and what a user's
+    nnsight trace saves then carries no `requires_grad` (no autograd graph kept alive).
+    `model.hf.requires_grad_(True)` turns gradients back on for attribution through nnsight."""
+    hf.eval()
+    hf.requires_grad_(False)
+
+
 def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> LoadedModel:
     """Wrap an already-built HF causal LM of a supported family for the kvnotes engine.
 
     For a model you loaded or modified yourself (a fine-tune, a tiny random one): the family
     adapter comes from its config's `model_type`, nothing is checked or moved, and blocks it
     stores are told apart by a fingerprint of its parameters. Pass the tokenizer for `EditableCache`
-    and `.nnsight`.
+    and `.nnsight`. Your module's `requires_grad` flags are left as they are (`freeze(hf)` turns
+    them off, as `load_model` does, so nnsight outputs carry no gradient).
     """
     config: Any = hf.config
     adapter = adapter_for(config.get_text_config(decoder=True).model_type)

