@@ -29,7 +29,6 @@ from kvnotes.models.weights import (
     verify,
 )
 
-
 COMPOSITION_CHECK = "kvnotes verify"  # the other `verify`: the composition go / no-go
 
 
