@@ -184,7 +184,9 @@ def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> 
 
 
 def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device, clock: str = "wall") -> None:
-    """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
+    """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order.
+    Not torch.utils.benchmark.Timer: it times one statement back to back (its own warm-ups), with
+    no untimed setup per call, no rotation between paths and no CPU-time clock (#34)."""
     from kvnotes.measure.timing import timed
 
     cuda = device.type == "cuda"
