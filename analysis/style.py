@@ -138,10 +138,13 @@ def provenance(df: pd.DataFrame) -> str:
 
 
 def finish(fig: Figure, title: str, caption: str, out: Path, stem: str,
-           runs: pd.DataFrame | None = None) -> list[Path]:
+           runs: pd.DataFrame | None = None, legend: tuple[list[Any], list[str]] | None = None,
+           legend_cols: int = 4) -> list[Path]:
     """Title on top, caption (+ provenance) below the panels; save <out>/<stem>.png and .pdf.
 
-    The figure grows by the height the title and caption need, so the panels keep their size.
+    `legend` (handles, labels): one legend for the whole figure, in a band of its own between the
+    panels and the caption, so it never covers data. The figure grows by the height the title,
+    legend and caption need, so the panels keep their size.
     """
     w, h = fig.get_size_inches()
     chars = max(60, int(w * 17))
@@ -150,9 +153,13 @@ def finish(fig: Figure, title: str, caption: str, out: Path, stem: str,
     head = textwrap.fill(title, max(40, int(w * 9)))
     cap_h = LINE_IN * (wrapped.count("\n") + 1) + 0.25
     top_h = 0.28 * (head.count("\n") + 1) + 0.15
-    H = h + cap_h + top_h
+    leg_h = 0.2 * math.ceil(len(legend[1]) / legend_cols) + 0.15 if legend else 0.0
+    H = h + cap_h + top_h + leg_h
     fig.set_size_inches(w, H)
-    fig.tight_layout(rect=(0, cap_h / H, 1, 1 - top_h / H))
+    fig.tight_layout(rect=(0, (cap_h + leg_h) / H, 1, 1 - top_h / H))
+    if legend:
+        fig.legend(*legend, loc="upper center", bbox_to_anchor=(0.5, (cap_h + leg_h) / H),
+                   ncol=legend_cols, frameon=False, fontsize=8)
     fig.suptitle(head, fontsize=11, fontweight="bold", y=1 - 0.08 / H, va="top")
     fig.text(0.01, 0.08 / H, wrapped, fontsize=7, va="bottom", ha="left", color="#333333")
     out.mkdir(parents=True, exist_ok=True)

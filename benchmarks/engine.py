@@ -198,7 +198,9 @@ def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> 
 
 
 def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device, clock: str = "wall") -> None:
-    """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order."""
+    """Warm-up rounds, then `reps` timed rounds, each path once per round in a rotated order.
+    Not torch.utils.benchmark.Timer: it times one statement back to back (its own warm-ups), with
+    no untimed setup per call, no rotation between paths and no CPU-time clock (#34)."""
 
     cuda = device.type == "cuda"
     for r in range(warmup + reps):

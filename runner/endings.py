@@ -11,10 +11,12 @@ sees one `error:` line instead of a chained traceback.
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -71,3 +73,19 @@ def disk_failure(rd: RunDir, e: BaseException) -> RunDirError | None:
     record_end(rd, "failed", error=f"{problem}{where}")
     return RunDirError(f"{rd.path}: {problem}{where}; the run is marked failed and its finished "
                        f"units are kept: {fix} and rerun the same command to resume")
+
+
+def reading_tip(run_dir: Path, cwd: Path | None = None) -> str:
+    """How to read a finished run: the figures and the report read results/reference (the committed
+    runs) unless told otherwise, and write beside them; this points both at the run's results folder."""
+    results = run_dir.parents[2]  # <results_dir>/<job>/<model>/<timestamp>
+    try:
+        results = results.resolve().relative_to((cwd or Path.cwd()).resolve())
+    except ValueError:
+        pass  # outside the working folder: the absolute path
+    r = shlex.quote(str(results))
+    return (f"read it (the newest run per job, model, task and seed under {results}):\n"
+            f"  python -m analysis.figures --results {r} --out {shlex.quote(str(results / 'figures'))}\n"
+            f"  kvnotes report --results {r} --figures {shlex.quote(str(results / 'figures'))} "
+            f"--out {shlex.quote(str(results / 'REPORT.md'))}\n"
+            f"(without --results they read results/reference, the committed runs)")

@@ -36,7 +36,13 @@ from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
-from runner.endings import disk_failure, interrupted_line, record_end, sigterm_interrupts
+from runner.endings import (
+    disk_failure,
+    interrupted_line,
+    reading_tip,
+    record_end,
+    sigterm_interrupts,
+)
 from runner.files import NoFollowFileHandler, append_text, atomic_write, now_iso, read_json
 from runner.jobs import discover
 from runner.records import RecordWriter
@@ -261,6 +267,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
     print(summary_table(read_json(path / "summary.json")))
     print(f"run dir: {path}")
+    print(reading_tip(path))
 
 
 def cli() -> None:

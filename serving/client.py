@@ -9,9 +9,9 @@ hit rate = delta `vllm:prefix_cache_hits_total` / delta `vllm:prefix_cache_queri
 TTFT is measured client side from the request's send to the first streamed chunk with a
 choice (as `vllm bench serve` does); arrivals are a seeded Poisson process. Requests still open
 at a phase's cap are cancelled (their stream closed, so vLLM aborts them) and kept as censored.
-The Prometheus text is parsed here (30 lines, tested on vLLM's output) because the project's
-environment has no prometheus_client; nothing else is hand-written HTTP. Proxies from the
-environment are not used (trust_env=False): the server is ours, on 127.0.0.1, unless given a URL.
+The Prometheus text is parsed by prometheus_client's parser (vLLM depends on it too) and the
+stream by httpx-sse; what is left here is Prometheus' `histogram_quantile` rule (a PromQL
+function that prometheus_client does not ship: 10 lines). Proxies from the environment are not used (trust_env=False): the server is ours, on 127.0.0.1, unless given a URL.
 The server process: serving/server.py; vLLM's own load generator:
 serving/bench.py.
 """
@@ -22,18 +22,17 @@ import asyncio
 import json
 import math
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from httpx_sse import ServerSentEvent, aconnect_sse
+from prometheus_client.parser import text_string_to_metric_families
 
 # --- Prometheus text format -------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 TTFT = "vllm:time_to_first_token_seconds"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
@@ -43,17 +42,15 @@ Samples = dict[tuple[str, Labels], float]  # (metric name, sorted labels) -> val
 
 
 def parse_metrics(text: str) -> Samples:
-    """Samples of a Prometheus text exposition (comments skipped, `+Inf`/`NaN` parsed)."""
+    """Samples of a Prometheus text exposition, by sample name (`..._total`, `..._bucket`) and
+    label set (escapes undone); ValueError on a line that is not one."""
     out: Samples = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            raise ValueError(f"not a Prometheus sample: {line!r}")
-        labels = tuple(sorted((k, v) for k, v in _LABEL.findall(m.group(3) or "")))
-        out[(m.group(1), labels)] = float(m.group(4))
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    except (ValueError, IndexError, KeyError) as e:  # the parser's ways of refusing a line
+        raise ValueError(f"not a Prometheus text exposition: {e}") from e
     return out
 
 
@@ -187,11 +184,13 @@ async def complete(client: httpx.AsyncClient, body: Mapping[str, Any]) -> Comple
     out = Completion(start=time.monotonic())
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+        async with aconnect_sse(client, "POST", "/v1/completions", json=payload) as source:
+            resp = source.response
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:2000]
                 raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
-            async for event in _events(resp):
+            # TTFT: taken when the first event with a choice has been read, as before
+            async for event in _events(source.aiter_sse()):
                 if event.get("error"):
                     raise RuntimeError(str(event["error"]))
                 for ch in event.get("choices") or []:
@@ -217,15 +216,14 @@ def _usage(out: Completion, usage: Mapping[str, Any] | None) -> None:
     out.cached_tokens = math.nan if cached is None else float(cached)
 
 
-async def _events(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON events of a server-sent-event stream, up to `data: [DONE]`."""
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
+async def _events(sse: AsyncIterator[ServerSentEvent]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON data of the server-sent events (httpx-sse joins multi-line data), up to [DONE]."""
+    async for event in sse:
+        data = event.data.strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        if data:
+            yield json.loads(data)
     raise ConnectionError("the stream ended before [DONE]")
 
 

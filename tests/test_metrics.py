@@ -190,3 +190,30 @@ def test_paired_prop_diff_covers_at_nominal_level(cells):
         d = paired_prop_diff(ab[:, 0], ab[:, 1])
         hits += d["ci_lo"] <= truth <= d["ci_hi"]
     assert hits / 1000 >= 0.93
+
+
+def _wilson_closed_form(k: int, n: int, ci: float) -> tuple[float, float, float]:
+    """The hand-written interval wilson_ci used to compute (the reference for the grid below)."""
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + ci / 2.0))
+    p = k / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n)) / denom
+    return p, (0.0 if k == 0 else max(0.0, centre - half)), (1.0 if k == n else min(1.0, centre + half))
+
+
+def test_wilson_ci_is_scipys_binomtest_interval_and_equals_the_closed_form_on_a_grid(monkeypatch):
+    import scipy.stats
+
+    for n in (1, 2, 3, 7, 10, 30, 59, 200, 1000):
+        for k in sorted({0, 1, n // 3, n // 2, n - 1, n}):
+            for ci in (0.5, 0.8, 0.9, 0.95, 0.99):
+                got, want = wilson_ci(k, n, ci), _wilson_closed_form(k, n, ci)
+                assert np.allclose(got, want, rtol=0, atol=1e-12), (k, n, ci, got, want)
+    calls = []
+    real = scipy.stats.binomtest
+    monkeypatch.setattr(scipy.stats, "binomtest", lambda k, n: calls.append((k, n)) or real(k, n))
+    wilson_ci(3, 7)
+    assert calls == [(3, 7)]  # the maintained implementation, not a copy of its formula

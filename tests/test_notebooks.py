@@ -123,6 +123,32 @@ def test_02_explore_results_executes(real_results, monkeypatch):
 
 
 @pytest.mark.real
-def test_03_edit_and_compose_executes(llama_weights):
+def test_03_edit_and_compose_executes(llama_weights, monkeypatch):
+    monkeypatch.setenv("KVNOTES_NB_MODEL", "llama")  # its own default is qwen-1.5b (7 GB)
     text = outputs_text(execute("03_edit_and_compose"))
-    assert "STATE UPDATE" in text and "logit cosine vs full prefill" in text
+    assert ("field_only" in text or "none of 6 items changes llama's decision" in text)
+    assert "logit cosine vs full prefill" in text
+
+
+def test_03_stores_an_edit_changing_the_decision_on_the_model_its_code_names():
+    """Its stored edit demo showed field-only, erratum and oracle all generating 'grant_access'
+    (issue #34); now the stale cache, field-only, erratum and oracle decisions of one item."""
+    book = nbformat.read(ROOT / "notebooks" / "03_edit_and_compose.ipynb", as_version=4)
+    source = "\n".join(c.source for c in book.cells if c.cell_type == "code")
+    assert 'os.environ.get("KVNOTES_NB_MODEL", "qwen-1.5b")' in source
+    assert book.metadata["kvnotes"]["model"] == "qwen-1.5b"
+    lines = outputs_text(book).splitlines()
+    decided = {line.split()[0]: line for line in lines if " tokens -> " in line}
+    assert "(unchanged: still the stale decision)" in decided["field_only"]
+    assert decided["erratum"].endswith("(changed)") and decided["oracle"].endswith("(changed)")
+
+
+@pytest.mark.parametrize("name", ["02_explore_results", "03_edit_and_compose"])
+def test_stored_outputs_have_no_local_paths_an_install_cell_and_images_not_reprs(name):
+    book = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    text = outputs_text(book)
+    assert not [p for p in ("/root/", "/home/", "/work/", "/tmp/", "site-packages") if p in text]
+    assert "TqdmWarning" not in text and "<Figure size" not in text
+    assert any("pip install" in c.source for c in book.cells[:3])
+    if name == "02_explore_results":  # both figures stored as PNG
+        assert sum("image/png" in o.get("data", {}) for c in book.cells for o in c.get("outputs", [])) >= 2

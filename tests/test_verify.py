@@ -97,3 +97,47 @@ def test_real_llama_is_go(llama):
     torch.set_num_threads(1)
     rep = verify.verify(llama, n_probes=1)
     assert rep.real_weights and rep.go, rep.lines()
+
+
+def test_cli_reports_each_step_on_stderr_while_it_works(capsys):
+    """The command said nothing for minutes, then `verdict GO`: each step now says itself first."""
+    assert verify.main(["tiny-llama", "--probes", "2"]) == 0
+    cap = capsys.readouterr()
+    steps = [line.split("] ", 1)[1] for line in cap.err.splitlines()]
+    assert steps[0].startswith("tiny-llama: composition go / no-go") and "kvnotes models verify" in steps[0]
+    assert steps[1].startswith("facts: rope type and scaling of")
+    assert sum(s.startswith("rope: rotate by d = ") for s in steps) == 3
+    assert [s.split(" (")[0] for s in steps if s.startswith("splice:")] == [
+        "splice: probe prompt 1/2", "splice: probe prompt 2/2"]
+    assert "verdict GO" in cap.out and "[" not in cap.out.splitlines()[0]  # stdout: the report alone
+
+
+def test_verify_tells_progress_in_order_and_is_silent_by_default(capsys):
+    seen: list[str] = []
+    verify.verify(tiny_model("qwen2"), n_probes=1, progress=seen.append)
+    assert [s.split(":")[0] for s in seen] == ["facts", "rope", "rope", "rope", "splice"]
+    verify.verify(tiny_model("qwen2"), n_probes=1)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_the_two_verify_commands_point_to_each_other(capsys):
+    """`kvnotes verify` (composition) and `kvnotes models verify` (weights' hashes) were easy to confuse."""
+    from kvnotes import cli
+    from kvnotes.models.__main__ import main as models_main
+
+    assert cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert "verify     composition go / no-go" in usage and "not the weights' hashes" in usage
+    with pytest.raises(SystemExit):
+        verify.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: kvnotes verify") and "kvnotes models verify NAME" in text
+    with pytest.raises(SystemExit):
+        verify.main([])
+    assert "the weights' hashes: kvnotes models verify NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        models_main(["verify", "--help"])
+    assert "not the composition go / no-go: kvnotes verify MODEL" in " ".join(capsys.readouterr().out.split())
+    assert models_main(["verify", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model" in err and "the composition go / no-go of a model is `kvnotes verify MODEL`" in err

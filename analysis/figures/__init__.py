@@ -24,6 +24,7 @@ FIGURES = (
     "layer_recovery",
     "probe_depth",
     "knockout_dose",
+    "knockout_heads",
     "edit_frontier",
     "ksweep",
     "seam_repair",

@@ -15,8 +15,12 @@ Go when every fact is supported, both rope errors and both exactness diffs are w
 dtype's THRESHOLDS and (real weights only: a random tiny model has no fidelity to judge) the mean
 cosine at the largest K reaches `cosine`. `require_go` is the gate a transplant caller uses.
 
-    python -m kvnotes.compose.verify llama [--dtype float32] [--probes 4] [--json out.json]
-    python -m kvnotes.compose.verify --all        # every registered model; tiny configs for hub-only ones
+    kvnotes verify llama [--dtype float32] [--probes 4] [--json out.json]   (= python -m kvnotes.compose.verify)
+    kvnotes verify --all        # every registered model; tiny configs for hub-only ones
+
+This is not the weights' integrity check: `kvnotes models verify NAME` re-hashes the weight files
+against their recorded sha256 (seconds); this one runs the model (minutes on a CPU for a real
+model) and says whether composing cached blocks is safe on it. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import json
 import logging
 import random
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +52,12 @@ log = logging.getLogger(__name__)
 SEAMS = (0, 2, 8)
 INTRO = "You are a careful assistant. Read the notes below, then answer.\n\n"
 QUESTION = "Question: which note sets a deadline, and what is it?\nAnswer in a few words."
+WEIGHTS_CHECK = "kvnotes models verify"  # the other `verify`: sha256 of the weight files
+Progress = Callable[[str], None]  # told one line per step of a verification
+
+
+def _quiet(_: str) -> None:
+    """The default progress: say nothing (the library does not print)."""
 
 
 @dataclass(frozen=True)
@@ -171,11 +183,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-def rope_errors(model: LoadedModel, block: tuple[int, ...], deltas: list[int]) -> dict[str, Any]:
+def rope_errors(model: LoadedModel, block: tuple[int, ...], deltas: list[int],
+                progress: Progress = _quiet) -> dict[str, Any]:
     """Max over layers and deltas of the round-trip and rotate-vs-prefill-at-offset key errors."""
     alone = run.prefill(model, list(block)).cache
     trip = off = 0.0
-    for d in deltas:
+    for i, d in enumerate(deltas):
+        progress(f"rope: rotate by d = {d} and back, against a prefill at offset d ({i + 1}/{len(deltas)})")
         moved = rope.reposition(model, alone, d)
         back = rope.reposition(model, moved, -d)
         at = run.prefill_at(model, block, d)
@@ -184,12 +198,14 @@ def rope_errors(model: LoadedModel, block: tuple[int, ...], deltas: list[int]) -
     return {"roundtrip_rel": trip, "offset_rel": off, "deltas": deltas}
 
 
-def splice_fidelity(model: LoadedModel, layouts: list[Layout], seams: tuple[int, ...] = SEAMS
-                    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def splice_fidelity(model: LoadedModel, layouts: list[Layout], seams: tuple[int, ...] = SEAMS,
+                    progress: Progress = _quiet) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Per seam K: mean / min cosine, top-1 rate, mean KL over the probes; exactness diffs."""
     per: dict[int, list[tuple[float, bool, float]]] = {k: [] for k in seams}
     exact = {"splice_full": 0.0, "extend": 0.0}
-    for lay in layouts:
+    for i, lay in enumerate(layouts):
+        progress(f"splice: probe prompt {i + 1}/{len(layouts)} ({len(lay.ids)} tokens), "
+                 f"transplanted with seams K = {', '.join(map(str, seams))}")
         full = run.prefill(model, lay.ids)
         ref = full.logits[0, -1]  # [vocab]
         fwd = run.full_logits(model, lay.ids)[0, -1]
@@ -213,11 +229,11 @@ def splice_fidelity(model: LoadedModel, layouts: list[Layout], seams: tuple[int,
 
 def verify(model: LoadedModel, n_probes: int = 4, seams: tuple[int, ...] = SEAMS,
            judge_fidelity: bool | None = None, thresholds: Thresholds | None = None,
-           seed: int = 0) -> Report:
+           seed: int = 0, progress: Progress = _quiet) -> Report:
     """Facts, rope errors, splice fidelity and the verdict for `model` (see the module docstring).
 
     `judge_fidelity` None: judge the splice cosine for registered (real) models only;
-    `thresholds` None: THRESHOLDS of the model's dtype.
+    `thresholds` None: THRESHOLDS of the model's dtype; `progress` is told one line per step.
     """
     if n_probes < 1:
         raise ValueError(f"n_probes must be >= 1, got {n_probes}")
@@ -228,6 +244,7 @@ def verify(model: LoadedModel, n_probes: int = 4, seams: tuple[int, ...] = SEAMS
     t = thresholds or THRESHOLDS.get(dtype, THRESHOLDS["float32"])
     rep = Report(model.name, model.adapter.family, dtype, real, t)
     rep.facts = rope.rope_facts(model)
+    progress(f"facts: rope type and scaling of {len(rep.facts)} layers")
     bad = [f for f in rep.facts if not f["supported"]]
     if bad:
         rep.reasons.append(bad[0]["unsupported_reason"])
@@ -238,8 +255,8 @@ def verify(model: LoadedModel, n_probes: int = 4, seams: tuple[int, ...] = SEAMS
     originals = [int(f["original_max_position_embeddings"]) for f in rep.facts if f["original_max_position_embeddings"]]
     far = max(originals) + 1 if originals else 1000
     deltas = sorted({1, 37, min(far, max_pos - len(block) - 1)})
-    rep.rope = rope_errors(model, block, deltas)
-    rep.splice, rep.exact = splice_fidelity(model, layouts, seams)
+    rep.rope = rope_errors(model, block, deltas, progress)
+    rep.splice, rep.exact = splice_fidelity(model, layouts, seams, progress)
     windows = [f["sliding_window"] for f in rep.facts if f["sliding_window"]]
     if windows:
         rep.rope["window_exercised"] = len(layouts[0].ids) > min(windows)
@@ -292,8 +309,9 @@ def _targets() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvnotes.compose.verify", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvnotes verify", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"To check the weight files' hashes instead: {WEIGHTS_CHECK} NAME")
     p.add_argument("model", nargs="?", help="a registered model name, or tiny-<family>")
     p.add_argument("--all", action="store_true", help="every registered model (tiny configs for hub-only families)")
     p.add_argument("--dtype", default="auto", help="auto (the model's default), float32, bfloat16, float16")
@@ -302,14 +320,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the report(s) here as JSON")
     a = p.parse_args(argv)
     if bool(a.model) == a.all:
-        p.error("give one MODEL or --all")
+        p.error(f"give one MODEL or --all (composition go / no-go; the weights' hashes: {WEIGHTS_CHECK} NAME)")
     if a.probes < 1:
         p.error("--probes must be >= 1")
     out = sys.stdout.write
     reports = []
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:  # progress on stderr, so stdout keeps the report alone
+        sys.stderr.write(f"[{time.monotonic() - t0:6.1f} s] {line}\n")
+        sys.stderr.flush()
+
     for name in _targets() if a.all else [a.model]:
+        say(f"{name}: composition go / no-go (RoPE re-rotation, splice fidelity; not the weights' "
+            f"hashes, which `{WEIGHTS_CHECK} {name}` checks); loading")
         try:
-            rep = verify(_load(name, a.dtype, a.device), n_probes=a.probes)
+            rep = verify(_load(name, a.dtype, a.device), n_probes=a.probes, progress=say)
         except (KeyError, ValueError, OSError, WeightsError) as e:  # unknown name, dtype, weights
             sys.stderr.write(f"error: {name}: {e}\n")
             return 2

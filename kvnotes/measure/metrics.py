@@ -138,10 +138,10 @@ def proportion_ci(
 
 
 def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:
-    """(p, lo, hi): the proportion k/n with its Wilson score interval at level `ci`.
-
+    """(p, lo, hi): the proportion k/n with its Wilson score interval at level `ci`, from
+    scipy.stats.binomtest(k, n).proportion_ci(method="wilson"):
     lo/hi = (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n), z the two-sided normal
-    quantile. n = 0 gives (nan, nan, nan).
+    quantile. n = 0 gives (nan, nan, nan) (binomtest refuses n = 0).
     """
     if not 0.0 < ci < 1.0:
         raise ValueError(f"ci must be in (0, 1), got {ci}")
@@ -149,18 +149,11 @@ def wilson_ci(k: int, n: int, ci: float = 0.95) -> tuple[float, float, float]:
         raise ValueError(f"wilson_ci needs integers 0 <= k <= n, got k={k}, n={n}")
     if n == 0:
         return (float("nan"), float("nan"), float("nan"))
-    # deferred: scipy is heavy and only this path needs it
-    from scipy.stats import norm
+    # deferred: scipy.stats takes ~1 s to import and only this path needs it
+    from scipy.stats import binomtest
 
-    z = float(norm.ppf(0.5 + ci / 2.0))
-    p = k / n
-    denom = 1.0 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1.0 - p) / n + z * z / (4.0 * n * n)) / denom
-    lo = 0.0 if k == 0 else max(0.0, centre - half)  # exact ends (rounding gives 1 - 1e-16)
-    hi = 1.0 if k == n else min(1.0, centre + half)
-    return (float(p), float(lo), float(hi))
-
+    interval = binomtest(int(k), int(n)).proportion_ci(confidence_level=ci, method="wilson")
+    return (k / n, float(interval.low), float(interval.high))
 
 
 def _floats(values: Iterable[float | bool] | ArrayLike) -> np.ndarray:

@@ -4,6 +4,10 @@
 converted file, then re-hashes what it holds; `verify` re-hashes everything of a model in the
 cache; every load checks sizes and headers only. A damaged file is one `error:` line naming what
 to delete before fetching again.
+
+`verify` here is the weights' integrity (sha256 of the files, seconds). Whether composing cached
+blocks works on a model (RoPE re-rotation, splice fidelity: it runs the model) is a different
+check: `kvnotes verify MODEL`.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from kvnotes.models.weights import (
     verify,
 )
 
+COMPOSITION_CHECK = "kvnotes verify"  # the other `verify`: the composition go / no-go
+
 
 def _names(names: list[str]) -> list[str]:
     return model_names("package") if names == ["all"] else names
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvnotes.models", description=__doc__,
+    p = argparse.ArgumentParser(prog="kvnotes models", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", default=None, help="cache folder (default $KVNOTES_CACHE or ~/.cache/kvnotes)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -41,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("names", nargs="+", help=f"model names or 'all': {packaged}")
     f.add_argument("--tokenizer-only", action="store_true",
                    help="download and verify the GGUF but extract only its tokenizer (no conversion)")
-    v = sub.add_parser("verify", help="re-hash every file of a model in the cache against its record")
+    what = ("re-hash every weight file of a model in the cache against its record "
+            f"(not the composition go / no-go: {COMPOSITION_CHECK} MODEL)")
+    v = sub.add_parser("verify", help=what, description=what,
+                       epilog=f"The composition go / no-go of a model (it runs the model): {COMPOSITION_CHECK} MODEL")
     v.add_argument("names", nargs="+", help=f"model names or 'all': {packaged}")
     pa = sub.add_parser("path", help="print the converted folder of a model")
     pa.add_argument("name")
@@ -74,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             out(f"{prepare(args.name, args.cache)}\n")
     except (WeightsError, ConfigError, KeyError) as e:
         sys.stderr.write(f"error: {e}\n")
+        if args.cmd == "verify":
+            sys.stderr.write(f"(this re-hashes weight files; the composition go / no-go of a model "
+                             f"is `{COMPOSITION_CHECK} MODEL`)\n")
         return 2
     return 0
 

@@ -379,3 +379,34 @@ def test_figure_draws_every_method_and_states_the_frontier(blend_run, tmp_path):
     assert text.startswith("15%: ") and "100%: " in text
     with pytest.raises(Skip):
         fig.make(frame.iloc[:0], tmp_path / "none")
+
+
+def test_repeated_timing_is_torch_benchmark_timers_median_and_keeps_the_first_result(monkeypatch):
+    """timing_repeats > 1: the first call's result, and torch.utils.benchmark.Timer's median per-call
+    time of the further calls (one path's calls back to back, no setup between: Timer's case)."""
+    import time as _time
+
+    import torch.utils.benchmark as benchmark
+
+    from experiments import blend as exp_blend
+
+    made = []
+
+    class Counted(benchmark.Timer):
+        def __init__(self, *a, **k):
+            made.append(k.get("stmt", a[0] if a else None))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(exp_blend.benchmark, "Timer", Counted)
+    calls = []
+
+    def fn():
+        calls.append(1)
+        _time.sleep(0.02)
+        return len(calls)
+
+    out, seconds = exp_blend._timed(fn, 3, torch.device("cpu"))
+    assert out == 1 and made == ["fn()"] and len(calls) >= 3
+    assert 0.015 < seconds < 0.2
+    calls.clear()
+    assert exp_blend._timed(fn, 1, torch.device("cpu"))[0] == 1 and len(calls) == 1 and len(made) == 1

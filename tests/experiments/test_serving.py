@@ -62,6 +62,13 @@ def test_parse_metrics_sums_label_sets_and_reads_histograms():
     assert (c.hits, c.queries, c.running, c.waiting) == (4032.0, 8210.0, 0.0, 1.0)
 
 
+def test_parse_metrics_undoes_label_escapes():
+    """prometheus_client's parser: `\\n`, `\\"` and `\\\\` in label values are undone (the
+    hand-written regex kept them escaped, so a match on the real value found nothing)."""
+    s = client.parse_metrics('m_total{path="a\\nb",q="x\\"y",r="c\\\\d"} 2\n')
+    assert client.total(s, "m_total", path="a\nb", q='x"y', r="c\\d") == 2.0
+
+
 def test_parse_metrics_refuses_garbage():
     with pytest.raises(ValueError):
         client.parse_metrics("this is not a sample line at all {\n")
@@ -124,6 +131,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
     BLOCK = 16
     slow = 5.0
     per_miss_s = 0.0
+    gap = 0.01  # seconds between streamed chunks
+    split = False  # each chunk's JSON over two `data:` lines, after a comment line (valid SSE)
     state: dict = {}
 
     def log_message(self, *args):
@@ -174,9 +183,14 @@ class FakeVLLM(BaseHTTPRequestHandler):
             if "SLOW" in prompt:
                 time.sleep(self.slow)
             for t in (" grant", "_access", "\n"):
-                self.wfile.write(b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n")
+                chunk = json.dumps({"choices": [{"text": t}]}).encode()
+                event = b"data: " + chunk + b"\n\n"
+                if self.split:
+                    cut = chunk.index(b":") + 1  # between two JSON tokens: the joined data stays JSON
+                    event = b": keep-alive\n\ndata: " + chunk[:cut] + b"\ndata: " + chunk[cut:] + b"\n\n"
+                self.wfile.write(event)
                 self.wfile.flush()
-                time.sleep(0.01)
+                time.sleep(self.gap)
             usage = {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": 3,
                                               "prompt_tokens_details": {"cached_tokens": hit}}}
             self.wfile.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
@@ -191,8 +205,8 @@ def _common(a: str, b: str) -> int:
     return common_prefix(list(a), list(b))  # the stand-in's prefix cache: shared leading characters
 
 
-def stand_in(per_miss_s: float = 0.0):
-    handler = type("Handler", (FakeVLLM,), {"per_miss_s": per_miss_s, "state": {
+def stand_in(per_miss_s: float = 0.0, **kw):
+    handler = type("Handler", (FakeVLLM,), {"per_miss_s": per_miss_s, **kw, "state": {
         "queries": 8210.0, "hits": 4032.0, "running": 0, "prompts": [], "sent": [],
         "lock": threading.Lock(), "prefill": threading.Lock()}})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -218,6 +232,21 @@ def test_streaming_completion_times_the_first_chunk_and_reads_usage(fake_server)
     assert 0 < r.ttft_s < r.latency_s < 5
     assert client.counters(fake_server).queries == 8210.0 + 8
     assert client.served_models(fake_server) == ["tiny-llama"]
+
+
+def test_streaming_follows_the_sse_format_and_ttft_times_the_first_token():
+    """httpx-sse reads the stream: an event whose data spans two `data:` lines (joined with a
+    newline, as the SSE format says) and comment lines; the hand-written line reader decoded each
+    line alone and failed. TTFT is still the first chunk, not the stream's end (0.4 s later)."""
+    httpd, url, _ = stand_in(split=True, gap=0.2)
+    try:
+        r = client.complete_one(url, {"model": "m", "prompt": "hi there", "max_tokens": 3})
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.status == "ok", r.error
+    assert r.text == " grant_access\n" and r.completion_tokens == 3
+    assert r.ttft_s < 0.2 and r.latency_s >= 0.6 and r.latency_s - r.ttft_s >= 0.55
 
 
 def test_streaming_completion_reports_http_errors_and_a_dead_server():

@@ -364,3 +364,28 @@ def test_edit_experiment_end_to_end_and_cot_only(tmp_path):
                                                   "experiment.strategies=[field_only,erratum]"]))
     strategies = set(pd.read_parquet(cot / "records.parquet")["strategy"])
     assert strategies == {"stale+cot", "oracle+cot", "field_only+cot", "erratum+cot"}
+
+
+def test_a_finished_run_says_how_to_read_it_with_the_figures_and_the_report(tmp_path):
+    """figures and report read results/reference by default; a user's run now prints the flags that
+    point both at its own results folder (and write beside it, not over the committed figures)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "experiments.run", "+experiment=selfcheck", *TINY, *SMALL,
+           "threads=1", "results_dir=mine/runs"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tail = proc.stdout.splitlines()[-5:]
+    assert tail[0].startswith("run dir: ") and "mine/runs/selfcheck/tiny-llama/" in tail[0]
+    assert tail[2] == "  python -m analysis.figures --results mine/runs --out mine/runs/figures"
+    assert tail[3] == ("  kvnotes report --results mine/runs --figures mine/runs/figures "
+                       "--out mine/runs/REPORT.md")
+    assert "results/reference" in tail[4]
+
+
+def test_reading_tip_quotes_paths_and_keeps_an_outside_folder_absolute(tmp_path):
+    from runner.endings import reading_tip
+
+    run = tmp_path / "my runs" / "edit" / "llama" / "2026-01-01_00-00-00"
+    tip = reading_tip(run, cwd=tmp_path / "elsewhere")
+    assert f"--results '{tmp_path / 'my runs'}'" in tip
+    assert "--results 'my runs'" in reading_tip(run, cwd=tmp_path)
