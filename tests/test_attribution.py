@@ -184,3 +184,14 @@ def test_top_positions_best_first_among_candidates():
     v = np.array([0.5, 3.0, -1.0, 3.0, 2.0])
     assert top_positions(v, 2) == [1, 3]  # tie broken by position
     assert top_positions(v, 3, candidates=[0, 2, 4]) == [4, 0, 2]
+
+
+def test_encode_decode_keeps_the_map_in_float16():
+    from kvnotes.edit.attribution import decode, encode
+
+    model = tiny_model("qwen2", seed=0)
+    a = attribute_cache(model, make_pair(model, item()))
+    b = decode(encode(a))
+    assert b.shape == a.shape and b.score == a.score
+    for name in ("key_linear", "key_qk", "value"):
+        assert np.allclose(getattr(b, name), getattr(a, name), rtol=1e-3, atol=1e-7)

@@ -14,7 +14,9 @@ dividing by (oracle - stale) gives its recovery.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +29,8 @@ from kvnotes.measure.metrics import recovery
 from kvnotes.models.loading import LoadedModel
 
 Map = Float[np.ndarray, "pos layer kv_head"]
-METHODS = ("qk", "linear")  # key estimate with AtP*'s QK fix (the default), and the plain linear one
+METHODS = ("qk", "linear")
+PARTS = ("key_linear", "key_qk", "value")  # the stored arrays, in AttributionMap's field order  # key estimate with AtP*'s QK fix (the default), and the plain linear one
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,22 @@ def to_recovery(pair: PatchPair, effects: np.ndarray, min_denominator: float = 1
     out = recovery(pair.score_stale + np.asarray(effects, dtype=np.float64), pair.score_stale,
                    pair.score_oracle, min_denominator)
     return np.asarray(out, dtype=np.float64)
+
+
+def encode(a: AttributionMap) -> dict[str, object]:
+    """The map as a compact record: float16 bytes of each [pos, layer, kv_head] array and its shape
+    (a float16 keeps ~3 significant digits, enough to rank and to draw)."""
+    return {"map_shape": list(a.shape), "score_clean": a.score,
+            **{f"map_{name}": getattr(a, name).astype(np.float16).tobytes() for name in PARTS}}
+
+
+def decode(record: Mapping[str, Any]) -> AttributionMap:
+    """The map of a record written by `encode` (float64 arrays of the stored float16 values)."""
+    shape = tuple(int(x) for x in record["map_shape"])
+    parts = [np.frombuffer(record[f"map_{name}"], dtype=np.float16).astype(np.float64).reshape(shape)
+             for name in PARTS]
+    key_linear, key_qk, value = parts
+    return AttributionMap(key_linear, key_qk, value, score=float(record["score_clean"]))
 
 
 def top_positions(values: np.ndarray, k: int, candidates: list[int] | None = None) -> list[int]:
