@@ -325,6 +325,13 @@ class _Stop(Exception):
 @torch.inference_mode()
 def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch kv_head pos d_head"]:
     """Keys of `layer` for a fresh prefill of `ids`, running only layers 0..layer (CacheBlend's check)."""
+    return early_kv(model, ids, layer)[0]
+
+
+@torch.inference_mode()
+def early_kv(model: LoadedModel, ids: Ids, layer: int) -> tuple[Tensor, Tensor]:
+    """Keys and values [batch, kv_head, pos, d_head] of `layer` for a fresh prefill of `ids`,
+    running only layers 0..layer (the forward stops after that layer)."""
     from transformers import DynamicCache
 
     x = as_ids(model, ids)
@@ -343,7 +350,8 @@ def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch
     finally:
         handle.remove()
     keys: Tensor = getattr(past.layers[layer], "keys")
-    return keys
+    values: Tensor = getattr(past.layers[layer], "values")
+    return keys, values
 
 
 @torch.inference_mode()
