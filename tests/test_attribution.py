@@ -139,7 +139,7 @@ def linear_after_last_attention(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_qk_fix_is_exact_where_only_the_readout_reads_the_key(family):
     """Cached keys are read by the last prompt token only; at the last layer with a linear rest, the
     pattern recomputed with the new key is the whole effect: QK-fixed = exact, linear is off."""
