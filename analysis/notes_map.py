@@ -52,6 +52,13 @@ def item_map(records: pd.DataFrame, item_id: str, method: str = "exact") -> tupl
     return tokens, rec, span, info
 
 
+def _conditions(info: dict[str, Any]) -> str:
+    """'field-only 0.010, full-downstream 1.000; ' from a patching run; '' where the run has none."""
+    parts = [f"{label} {info[key]:.3f}" for key, label in (("field_only", "field-only"), ("full_downstream", "full-downstream"))
+             if math.isfinite(info.get(key, math.nan))]
+    return ", ".join(parts) + "; " if parts else ""
+
+
 def _colour(r: float, vmax: float) -> str:
     """White -> red for positive recovery, white -> blue for negative."""
     x = max(-1.0, min(1.0, r / vmax)) if vmax > 0 and math.isfinite(r) else 0.0
@@ -69,8 +76,8 @@ def to_html(tokens: list[str], rec: np.ndarray, span: tuple[int, int], info: dic
             style += ";outline:2px solid #2a7"
         text = html.escape(t).replace("\n", "↵<br>")
         spans.append(f'<span title="pos {i}: recovery {r:.3f}" style="{style}">{text}</span>')
-    title = (f"Notes map ({info.get('method', 'exact')}) — {model} — {info['item_id']} (field-only {info['field_only']:.3f}, "
-             f"full-downstream {info['full_downstream']:.3f}; colour = single-position recovery, max |r| {vmax:.2f})")
+    title = (f"Notes map ({info.get('method', 'exact')}) — {model} — {info['item_id']} ({_conditions(info)}"
+             f"colour = single-position recovery, max |r| {vmax:.2f})")
     return ("<!doctype html><meta charset='utf-8'><title>notes map</title>"
             "<style>body{font:13px/1.6 monospace;max-width:70em;margin:2em auto;white-space:pre-wrap}"
             "span{border-radius:2px}</style>"
@@ -97,8 +104,8 @@ def to_png(tokens: list[str], rec: np.ndarray, span: tuple[int, int], info: dict
     bx.bar(range(len(top)), rec[top], color="tab:red")
     bx.set_xticks(range(len(top)), [f"{p}:{tokens[p]!r}"[:14] for p in top], rotation=60, fontsize=7)
     bx.set_ylabel("single-position recovery")
-    bx.set_title(f"top-20 positions (field-only {info['field_only']:.3f}, full-downstream "
-                 f"{info['full_downstream']:.3f})", fontsize=9)
+    bx.set_title(f"top-20 positions ({_conditions(info).removesuffix('; ') or 'no field-only / full-downstream rows'})",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

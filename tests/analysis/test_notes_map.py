@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -45,3 +46,11 @@ def test_patching_run_has_no_attribution_map(tmp_path):
         notes_map.main(["--run", str(run), "--method", "attribution"])
     with pytest.raises(ValueError, match="valid: exact, attribution"):
         notes_map.item_map(pd.read_parquet(run / "records.parquet"), "i0", "linear")
+
+
+def test_titles_omit_the_conditions_a_run_does_not_have():
+    info = {"item_id": "i0", "method": "attribution", "field_only": float("nan"), "full_downstream": float("nan")}
+    page = notes_map.to_html(TOKENS, np.zeros(5), (1, 2), info, "tiny")
+    assert "nan" not in page and "field-only" not in page
+    page = notes_map.to_html(TOKENS, np.zeros(5), (1, 2), info | {"field_only": 0.01, "full_downstream": 1.0}, "tiny")
+    assert "field-only 0.010, full-downstream 1.000" in page
