@@ -12,14 +12,14 @@ timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios o
   copy of the cache every forward makes into buffers with room for its new tokens
   (`extend1_copy_ratio`: kvnotes.engine.cache.buffers alone) and beside the same token into buffers
   that already hold the cache (`extend1_inplace_ratio`: run.extend_into, a decode step with no
-  copy), `full_downstream`, the
-  erratum edit (`erratum_ratio`; `erratum_inplace_ratio`: the same forward into buffers that hold
-  the stale cache, as a server owning its cache would run it, with no copy) beside its token
-  floor (`erratum_floor` = (erratum + question
-  tokens) / prompt tokens) and its GEMM floor (`erratum_gemm_floor`: the decoder's linear layers
+  copy), `full_downstream`, the erratum edit (`erratum_ratio`; `erratum_inplace_ratio`: the same
+  forward into buffers that hold the stale cache, as a server owning its cache would run it, with
+  no copy) beside its token floor (`erratum_floor` = (erratum + question tokens) / prompt tokens)
+  and its GEMM floor (`erratum_gemm_floor`: the decoder's linear layers
   alone, applied to as many rows as the erratum recomputes, with nothing around them: what this
   machine's matrix products cost at that batch shape; `erratum_over_gemm_floor` is the rest of
-  the engine's share), and with --map the per-position patching map (`map_ratio`);
+  the engine's share), with --map the per-position patching map (`map_ratio`), with --attribution that
+  map beside kvnotes.edit.attribution (`attribution_ratio`: every position x layer x head from one backward);
 * one block (system prefix, a skill block of L tokens, a question): TTFT of the full path
   (block + question against the cached system prefix: the prefix is cached on both sides),
   of the transplant (the block read from disk inside the timed region, rotated, seam K = 4
@@ -120,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds of every path per length")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     p.add_argument("--map", action="store_true", help="also time the per-position patching map")
+    p.add_argument("--attribution", action="store_true", help="also time attribution patching beside the exact map")
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time (device-synchronised), or the process' CPU time: on a CPU shared "
@@ -264,6 +265,8 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
             row[f"{key}_{k}_share_of_limit"] = sp / lim if sp is not None and lim is not None else None
     if "map" in med:
         row["map_ratio"] = ratio("map", "prefill")
+    if "attribution" in med:  # attribution vs exact patching, each as a ratio to one prefill
+        row["attribution_ratio"], row["map_over_attribution"] = ratio("attribution", "prefill"), ratio("map", "attribution")
     row.update(info)
     row["seconds"] = med
     peaks = {p.name: p.peak_bytes / 2**30 for p in paths if p.peak_bytes}
@@ -287,7 +290,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),
             ("multiblock_k0_share_of_limit", "k0/limit", "{:.2f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
             ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
-            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}"),
+            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}"), ("attribution_ratio", "attrib", "{:.3f}"),
             ("estimate_gib", "est GiB", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             info: dict[str, Any] = {"estimate_gib": estimate_peak_bytes(model, n, caches=4) / 2**30,
                                     "weights_gib": model_bytes(model.hf) / 2**30}
             if "edit" in a.only:
-                p, i = edit_paths(model, n, a.map)
+                p, i = edit_paths(model, n, a.map, a.attribution)
                 paths += p
                 info.update(i)
             if "ttft" in a.only:

@@ -19,6 +19,7 @@ from experiments.shared.skill_prompts import question_ids, skill_ids
 from kvnotes import tasks
 from kvnotes.compose import splice as compose
 from kvnotes.compose.store import block_path, load_block, save_block
+from kvnotes.edit.attribution import attribute_cache
 from kvnotes.edit.patching import make_pair, patched_scores
 from kvnotes.edit.strategies import Editor
 from kvnotes.engine import run
@@ -100,7 +101,8 @@ class Timed:
     peak_bytes: int = 0  # on CUDA: the most memory allocated during one timed call
 
 
-def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], dict[str, Any]]:
+def edit_paths(model: Any, length: int, with_map: bool,
+               with_attribution: bool = False) -> tuple[list[Timed], dict[str, Any]]:
     item = tasks.build_suite("gated", model.tokenizer, chat=model.chat, n_items=1, length=length, seed=0)[0]
     ed = Editor(model, item)
     err = ed.erratum()
@@ -134,10 +136,12 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
         Timed("erratum_inplace", lambda: run.extend_into(model, *held_err, at, rest)),
         Timed("erratum_gemms", gemm_pass(model, err.recomputed)),
     ]
-    if with_map:
+    if with_map or with_attribution:  # the exact per-position map; attribution's beside it
         pair = make_pair(model, item)
         paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
         info["map_positions"] = len(pair.field_to_end)
+    if with_attribution:  # one forward + backward, every position x layer x KV head (kvnotes.edit.attribution)
+        paths.append(Timed("attribution", lambda: attribute_cache(model, pair)))
     return paths, info
 
 

@@ -4,7 +4,9 @@ Every block is prefilled alone once and RoPE-moved to where it lands; the head i
 item, against a full prefill of the same tokens: naive reuse; seam repair K (recompute the first
 K tokens of every block: EPIC's LegoLink, the same method under both names); CacheBlend r (the r
 % block tokens of largest key deviation at an early layer, recomputed against the reused
-neighbours); note-aware repair r (each block's aggregator tokens, the paper's account as a
+neighbours); attribution r (the block tokens whose early-layer deviation moves the answer most,
+through the gradient at the naive splice); query-aware r (ProphetKV: the tokens the question
+attends to most); note-aware repair r (each block's aggregator tokens, the paper's account as a
 method, alone and with each block's first tokens bought first) at CacheBlend's budgets
 (kvnotes.compose.blend); optionally kvboost as it ships, in its own venv
 (experiments/shared/kvboost_worker.py). Workloads (experiments/shared/workloads.py): skills, RAG-style
@@ -69,7 +71,7 @@ class BlendConfig:
     locomo_block_tokens: int = 300  # per session, cut at a turn boundary
     max_new_tokens: int = 12  # LoCoMo greedy answer
     seams: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
-    budgets: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.30])
+    budgets: list[float] = field(default_factory=lambda: [0.05, 0.10, 0.15, 0.20, 0.30])
     check_layer: int = 1  # CacheBlend's early layer
     note_seams: list[int] = field(default_factory=lambda: [0, 2])  # note-aware: first S tokens per block too
     timing_repeats: int = 1  # extra timed rounds are medianed with the first
@@ -104,7 +106,8 @@ class BlendConfig:
     def methods(self) -> list[Any]:
 
         return ([Method("naive")] + [Method("seam", k) for k in self.seams]
-                + [Method("cacheblend", r, self.check_layer) for r in self.budgets]
+                + [Method(f, r, self.check_layer) for f in ("cacheblend", "attribution") for r in self.budgets]
+                + [Method("query_aware", r) for r in self.budgets]
                 + [Method("notes", r, seam=s) for s in self.note_seams for r in self.budgets])
 
     def longest_prompt(self) -> tuple[str, int, int]:
@@ -317,4 +320,4 @@ def run(ctx: Context) -> None:
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "blend"
 CONFIG = BlendConfig
-HELP = "cache reuse head to head: naive, seam/LegoLink, CacheBlend, note-aware, kvboost"
+HELP = "cache reuse head to head: naive, seam/LegoLink, CacheBlend, attribution, query-aware, note-aware, kvboost"

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "run": ("experiments.run", "a probe or experiment: kvnotes run +probe=NAME model=M ...", True),
     "figures": ("analysis.figures", "redraw the figures from runs", True),
     "report": ("analysis.report", "rebuild results/REPORT.md from runs", True),
-    "notes-map": ("analysis.notes_map", "per-token recovery of a patching run over its prompt", True),
+    "notes-map": ("analysis.notes_map", "per-token recovery over the prompt (--method exact|attribution)", True),
 }
 
 

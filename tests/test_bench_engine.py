@@ -269,3 +269,18 @@ def test_random_model_builds_the_folders_architecture_with_its_tokenizer(tmp_pat
     assert m.checksum == weights_id(random_model(str(folder), device="cpu", seed=3))
     ids = m.tokenizer("a short prompt", return_tensors="pt").input_ids
     assert torch.isfinite(run.full_logits(m, ids)).all()
+
+
+def test_attribution_is_timed_beside_the_exact_map_as_ratios_to_one_prefill():
+    paths = [timed("prefill", [10, 10, 10]), timed("map", [20, 20, 20]), timed("attribution", [0.5, 0.5, 0.5])]
+    row = engine.summarize(1000, paths, {})
+    assert row["attribution_ratio"] == pytest.approx(0.05) and row["map_ratio"] == pytest.approx(2.0)
+    assert row["map_over_attribution"] == pytest.approx(40.0)
+    assert "attrib" in engine.table([row])
+    m = tiny_model("llama")
+    paths, info = workloads.edit_paths(m, 700, with_map=False, with_attribution=True)
+    by = {p.name: p for p in paths}
+    assert {"prefill", "map", "attribution"} <= set(by) and info["map_positions"] > 0
+    engine.run_rounds([by["attribution"]], reps=1, warmup=0, device=m.device)
+    assert by["attribution"].last.shape[0] == info["edit_tokens"] - 1  # [pos, layer, kv_head] of the cache
+    assert engine.parse_args(["--attribution"]).attribution

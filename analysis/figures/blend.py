@@ -29,6 +29,8 @@ CURVES = {  # method column -> label, colour, marker; others (e.g. notes+seam4) 
     "naive": ("naive reuse", "#7f7f7f", "s"),
     "seam": ("seam repair K = LegoLink", "#1f77b4", "o"),
     "cacheblend": ("CacheBlend r", "#d62728", "^"),
+    "attribution": ("attribution r", "#ff7f0e", ">"),
+    "query_aware": ("query-aware r (ProphetKV)", "#e377c2", "<"),
     "notes": ("note-aware r", "#2ca02c", "D"),
     "notes+seam2": ("note-aware r, first 2 tokens/block first", "#17becf", "d"),
     "kvboost-selective": ("kvboost selective", "#9467bd", "v"),

@@ -9,7 +9,7 @@ other chosen tokens causally). Budgets are fractions r of the block tokens:
 * seam K (EPIC's LegoLink): the first K tokens of every block, `compose.transplant(seam=K)`;
 * CacheBlend r: the round(r * N) block tokens with the largest key deviation at an early check
   layer l, dev(p) = || K_fresh[l, p] - K_reused[l, p] ||_2 over heads and dims, K_fresh from a
-  prefill of the context through layer l only (`run.early_keys`; LMCache's blender also compares
+  prefill of the context through layer l only (`partial.early_keys`; LMCache's blender also compares
   keys, at layer 1). One set is recomputed at every layer: CacheBlend's gradual narrowing of the
   set in later layers is not reproduced, so this is its first selection step at full depth;
 * note-aware r: round(r * L_j) tokens of each block j taken from its aggregator tokens
@@ -20,6 +20,18 @@ other chosen tokens causally). Budgets are fractions r of the block tokens:
   section header), then aggregators: recomputed notes that still see every block's own sink are
   worse than none on llama (skills cosine 0.79 at 15 % vs 0.82 naive), with the sinks repaired
   they beat seam repair alone on some items (0.928 vs 0.904).
+
+* attribution r: the budget(N, r) block tokens whose stale K/V move the question's answer most,
+  to first order: a(p) = |dK_c[p] . dS/dK_c[p] + dV_c[p] . dS/dV_c[p]|, with dS/d(K, V) the
+  gradient at the naive splice (one forward and backward of the tail, kvnotes.engine.gradients)
+  of S = log p(the naive splice's own top answer token) at the last tail position, and dK_c, dV_c
+  the deviation CacheBlend's cheap recompute measures at its check layer c (fresh minus reused,
+  `partial.early_kv`). Only layer c is used: deeper deviations would need the full prefill the
+  method avoids, and a token's later-layer deviations grow from its early one. The log-prob of
+  the answer the splice gives, not a gold answer, because a real system has none;
+* query-aware r (ProphetKV's rule): the budget(N, r) block tokens the question attends to most
+  at the naive splice: the tail's attention weights summed over every layer, query head and
+  tail token (one tail forward, `variants.read_variants` capturing the weights). No check pass.
 
 APE (arXiv 2502.05431) is training-free, but it is not run here: it encodes blocks in parallel
 at shared positions and rescales, for every later query, the attention to block keys (a
@@ -40,12 +52,15 @@ from jaxtyping import Float
 from torch import Tensor
 
 from kvnotes.compose import splice as compose
-from kvnotes.engine import run
+from kvnotes.engine import partial, run
 from kvnotes.engine.cache import KVCache
+from kvnotes.engine.gradients import cache_gradients
+from kvnotes.engine.variants import read_variants
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.tokens import is_aggregator
 
-FAMILIES = ("naive", "seam", "cacheblend", "notes")  # selection rules on top of reused blocks
+FAMILIES = ("naive", "seam", "cacheblend", "notes", "attribution", "query_aware")  # rules on top of reused blocks
+RANKED = ("cacheblend", "attribution", "query_aware")  # the top budget(N, r) block tokens by a score
 
 
 @dataclass(frozen=True)
@@ -121,7 +136,7 @@ def key_deviation(
         raise ValueError(f"check layer must be in 0..{model.n_layers - 1}, got {layer}")
     if reused.seq_len != len(context):
         raise ValueError(f"reused cache has {reused.seq_len} positions, context {len(context)}")
-    fresh = run.early_keys(model, list(context), layer).float()  # [1, kv_head, pos, d_head]
+    fresh = partial.early_keys(model, list(context), layer).float()  # [1, kv_head, pos, d_head]
     old = reused.keys[layer].to(fresh.device).float()  # [1, kv_head, pos, d_head]
     return (fresh - old).pow(2).sum(dim=(0, 1, 3)).sqrt().cpu()  # [pos]
 
@@ -129,13 +144,46 @@ def key_deviation(
 def cacheblend_positions(
     deviation: Float[Tensor, " pos"], layout: Layout, fraction: float
 ) -> list[int]:
-    """The budget(N, fraction) block positions with the largest deviation, sorted."""
+    """The budget(N, fraction) block positions with the largest score (CacheBlend: key deviation;
+    also the attribution and query-aware scores), sorted."""
     cand = torch.tensor(layout.block_positions())
     k = budget(len(cand), fraction)
     if k == 0:
         return []
     top = deviation[cand].topk(k).indices  # ties: lowest index first (stable enough, seeded)
     return sorted(int(p) for p in cand[top])
+
+
+def answer_attribution(
+    model: LoadedModel, reused: KVCache, layout: Layout, layer: int
+) -> Float[Tensor, " pos"]:
+    """|dK . dS/dK + dV . dS/dV| per context position at `layer` (fp32): the gradient of the naive
+    splice's answer log-prob times the fresh-minus-reused K/V of a prefill through `layer` only."""
+    if not 0 <= layer < model.n_layers:
+        raise ValueError(f"check layer must be in 0..{model.n_layers - 1}, got {layer}")
+
+    def answer_logprob(logits: Tensor) -> Tensor:  # [tail, vocab] -> log p(its own top token)
+        last = torch.log_softmax(logits[-1], dim=-1)
+        return last[int(last.argmax())]
+
+    grads = cache_gradients(model, reused, list(layout.tail), answer_logprob)
+    fresh_k, fresh_v = partial.early_kv(model, layout.context, layer)  # [1, kv_head, pos, d_head]
+    dev = grads.grad_keys[layer].device
+    dk = fresh_k[0].to(dev).float() - reused.keys[layer][0].to(dev).float()  # [kv_head, pos, d_head]
+    dv = fresh_v[0].to(dev).float() - reused.values[layer][0].to(dev).float()
+    eff = (dk * grads.grad_keys[layer]).sum(dim=(0, 2)) + (dv * grads.grad_values[layer]).sum(dim=(0, 2))
+    return eff.abs().cpu()  # [pos]
+
+
+def query_attention(model: LoadedModel, reused: KVCache, layout: Layout) -> Float[Tensor, " pos"]:
+    """The question's attention to each cached position at the naive splice, summed over layers,
+    query heads and tail tokens (fp32)."""
+    capture: list[dict[int, Tensor]] = []
+    read_variants(model, reused, reused, [[]], list(layout.tail), batch_size=1, capture=capture)
+    n = reused.seq_len
+    weights = capture[0]  # {layer: [1, head, tail, n + tail]}
+    return sum((w[0, :, :, :n].float().sum(dim=(0, 1)) for w in weights.values()),
+               torch.zeros(n))  # [pos]
 
 
 def aggregator_class(tok: Any, ids: Sequence[int]) -> list[int]:
@@ -182,7 +230,7 @@ class Method:
 
     family: str
     setting: float = 0.0
-    check_layer: int = 1  # CacheBlend's early layer
+    check_layer: int = 1  # CacheBlend's (and attribution's) early layer
     seam: int = 0  # note-aware: first tokens of each block bought from its budget first
 
     def __post_init__(self) -> None:
@@ -190,7 +238,7 @@ class Method:
             raise ValueError(f"unknown blend method {self.family!r}; valid: {', '.join(FAMILIES)}")
         if self.family == "seam" and (self.setting < 0 or self.setting != int(self.setting)):
             raise ValueError(f"seam K must be an integer >= 0, got {self.setting}")
-        if self.family in ("cacheblend", "notes") and not 0.0 < self.setting <= 1.0:
+        if self.family in (*RANKED, "notes") and not 0.0 < self.setting <= 1.0:
             raise ValueError(f"{self.family} needs a fraction in (0, 1], got {self.setting}")
         if self.seam < 0 or (self.seam and self.family != "notes"):
             raise ValueError(f"seam={self.seam}: only note-aware repair buys seam tokens first")
@@ -215,7 +263,7 @@ class Built:
 
     cache: KVCache
     recomputed: int
-    checked: int = 0  # CacheBlend: context tokens prefilled through layers 0..check_layer
+    checked: int = 0  # CacheBlend, attribution: context tokens prefilled through layers 0..check_layer
 
 
 def build(
@@ -235,10 +283,15 @@ def build(
     if method.family == "naive":
         return Built(naive, 0)
     checked = 0
-    if method.family == "cacheblend":
-        dev = key_deviation(model, naive, layout.context, method.check_layer)
-        chosen = cacheblend_positions(dev, layout, method.setting)
-        checked = len(layout.context)
+    if method.family in RANKED:
+        if method.family == "cacheblend":
+            score = key_deviation(model, naive, layout.context, method.check_layer)
+        elif method.family == "attribution":
+            score = answer_attribution(model, naive, layout, method.check_layer)
+        else:
+            score = query_attention(model, naive, layout)
+        chosen = cacheblend_positions(score, layout, method.setting)
+        checked = 0 if method.family == "query_aware" else len(layout.context)
     else:
         chosen = note_positions(model.tokenizer, layout, method.setting, method.seam)
     return Built(run.recompute(model, naive, layout.context, chosen), len(chosen), checked)

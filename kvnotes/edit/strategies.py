@@ -20,7 +20,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from kvnotes.engine.cache import KVCache, absolute_positions, patch
-from kvnotes.engine.run import early_keys, extend, prefill, recompute_extend
+from kvnotes.engine.partial import early_keys
+from kvnotes.engine.run import extend, prefill, recompute_extend
 from kvnotes.engine.variants import read_variants
 from kvnotes.measure.timing import timed
 from kvnotes.models.loading import LoadedModel

@@ -369,35 +369,6 @@ def recompute_extend(
     return Step(logits, KVCache(tuple(k[:, :, : n + m] for k in keys), tuple(v[:, :, : n + m] for v in values)))
 
 
-class _Stop(Exception):
-    pass
-
-
-@torch.inference_mode()
-def early_keys(model: LoadedModel, ids: Ids, layer: int) -> Float[Tensor, "batch kv_head pos d_head"]:
-    """Keys of `layer` for a fresh prefill of `ids`, running only layers 0..layer (CacheBlend's check)."""
-    # deferred: transformers is heavy and only this path needs it
-    from transformers import DynamicCache
-
-    x = as_ids(model, ids)
-    past = DynamicCache()
-    target = model.adapter.layers(model.hf)[layer]
-
-    def stop(*_: object) -> None:
-        raise _Stop
-
-    handle = target.register_forward_hook(stop)
-    try:
-        model.hf(input_ids=x, past_key_values=past, use_cache=True,
-                 position_ids=torch.arange(x.shape[1], device=model.device)[None])
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    keys: Tensor = getattr(past.layers[layer], "keys")
-    return keys
-
-
 @torch.inference_mode()
 def prefill_at(model: LoadedModel, ids: Ids, start: int) -> KVCache:
     """K/V of `ids` prefilled alone at positions start.. (the reference a rotation by `start` of

@@ -161,8 +161,11 @@ def context(tmp_path: Path, model, *overrides: str):
 
 def test_config_validates_and_refuses_bad_values():
     job = validate(compose("config", overrides=["+experiment=blend", *TINY, f"experiment.locomo_path={FIXTURE}"]))
-    assert job.params.seams == [1, 2, 4, 8, 16, 32] and job.params.budgets == [0.05, 0.15, 0.30]
-    assert [m.name for m in job.params.methods()][:3] == ["naive", "seam@1", "seam@2"]
+    assert job.params.seams == [1, 2, 4, 8, 16, 32] and job.params.budgets == [0.05, 0.10, 0.15, 0.20, 0.30]
+    names = [m.name for m in job.params.methods()]
+    assert names[:3] == ["naive", "seam@1", "seam@2"]
+    for r in (5, 10, 15, 20):  # the repair selectors beside CacheBlend at every budget
+        assert {f"cacheblend@{r}%", f"attribution@{r}%", f"query_aware@{r}%", f"notes@{r}%"} <= set(names)
     for bad in ("experiment.workloads=[rag]", "experiment.budgets=[0.0]", "experiment.seams=[0]",
                 "experiment.kvboost.ratios=[2.0]", "experiment.timing_repeats=0"):
         with pytest.raises(ConfigError):
@@ -199,13 +202,14 @@ def test_every_method_on_every_item(blend_run):
     rows = df[df["kind"] == "blend"]
     assert set(rows["workload"]) == {"skills", "memory", "locomo"}
     names = {"full", "naive", "seam@1", "seam@4", "seam@10000", "cacheblend@15%", "cacheblend@100%",
-             "notes@15%", "notes@100%", "notes+seam2@15%", "notes+seam2@100%"}
+             "notes@15%", "notes@100%", "notes+seam2@15%", "notes+seam2@100%", "attribution@15%",
+             "attribution@100%", "query_aware@15%", "query_aware@100%"}
     for _, g in rows.groupby("item_id"):
         assert set(g["name"]) == names
     full = rows[rows["name"] == "full"]
     assert (full["cosine"] == 1.0).all() and (full["recompute_fraction"] == 1.0).all()
     # a seam covering every block and CacheBlend at r = 1 are full recomputes: exact agreement
-    for name in ("seam@10000", "cacheblend@100%"):
+    for name in ("seam@10000", "cacheblend@100%", "attribution@100%", "query_aware@100%"):
         r = rows[rows["name"] == name]
         assert (r["cosine"] > 0.99999).all() and r["decision_agree"].all() and (r["recompute_fraction"] == 1.0).all()
         assert (r["task_score"] == r["task_score_full"]).all()
@@ -213,6 +217,9 @@ def test_every_method_on_every_item(blend_run):
     assert (s4["recomputed"] == s4["n_blocks"] * 4).all()  # blocks are longer than 4 tokens
     cb = rows[rows["name"] == "cacheblend@15%"]
     assert ((cb["recompute_fraction"] - 0.15).abs() < 0.02).all() and (cb["checked"] == cb["n_context"]).all()
+    for name, checked in (("attribution@15%", cb["n_context"].to_numpy()), ("query_aware@15%", 0)):
+        r = rows[rows["name"] == name]
+        assert ((r["recompute_fraction"] - 0.15).abs() < 0.02).all() and (r["checked"].to_numpy() == checked).all()
     notes = rows[rows["name"] == "notes@15%"]
     assert (notes["recompute_fraction"] <= 0.15 + 0.02).all() and (notes["recomputed"] > 0).all()
     assert set(rows.loc[rows["name"] == "notes+seam2@15%", "method"]) == {"notes+seam2"}
