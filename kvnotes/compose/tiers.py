@@ -48,6 +48,7 @@ class _Held:
     meta: dict[str, str]
     info: BlockInfo
     path: Path
+    block: Block | None  # the views, built once, when the buffer already sits on the model's device
 
 
 def _pack(tensors: dict[str, Tensor], pin: bool) -> tuple[Tensor, dict[str, tuple[int, torch.dtype, tuple[int, ...]]]]:
@@ -69,6 +70,12 @@ def _views(buf: Tensor, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...
         n = dtype.itemsize * int(torch.Size(shape).numel())
         out[name] = buf[lo : lo + n].view(dtype).view(shape)
     return out
+
+
+def _block(buf: Tensor, layout: dict[str, tuple[int, torch.dtype, tuple[int, ...]]], info: BlockInfo) -> Block:
+    t = _views(buf, layout)
+    n = info.n_layers
+    return Block(t["ids"], KVCache(tuple(t[f"k.{i}"] for i in range(n)), tuple(t[f"v.{i}"] for i in range(n))))
 
 
 class MemoryTier:
@@ -104,7 +111,8 @@ class MemoryTier:
         if self.where == "device" and self.model.device.type != "cpu":
             buf = buf.to(self.model.device)
         key = name or info.name
-        self._held[key] = _Held(buf, layout, meta, info, path)
+        on_device = buf.device == self.model.device
+        self._held[key] = _Held(buf, layout, meta, info, path, _block(buf, layout, info) if on_device else None)
         self._damaged.pop(key, None)
         return key
 
@@ -116,13 +124,10 @@ class MemoryTier:
             if name in self._damaged:
                 raise BlockDamagedError(self._damaged[name])
             raise StoreError(f"block {name!r} is not in the {self.where} tier; admit it first")
-        buf = held.buffer
-        if buf.device != self.model.device:
-            buf = buf.to(self.model.device, non_blocking=self.pinned)  # one transfer per block
-        t = _views(buf, held.layout)
-        n = held.info.n_layers
-        cache = KVCache(tuple(t[f"k.{i}"] for i in range(n)), tuple(t[f"v.{i}"] for i in range(n)))
-        return Block(t["ids"], cache)
+        if held.block is not None:
+            return held.block
+        buf = held.buffer.to(self.model.device, non_blocking=self.pinned)  # one transfer per block
+        return _block(buf, held.layout, held.info)
 
     def scrub(self) -> list[str]:
         """Re-hash every held block (off the critical path); drop the damaged ones, whose later

@@ -111,34 +111,40 @@ class _Plan:
     cached: tuple[Segment, ...]
     q_pos: Tensor  # [m] positions of the forwarded tokens (CPU)
     windows: list[int | None]  # per layer
+    kinds: list[str]  # per layer: its type, which fixes its rotary frequencies
     memo: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
-    def rotation(self, layer: int, shift: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        key = ("rot", layer, shift)
+    def __post_init__(self) -> None:
+        self.shifts = sorted({s.shift for s in self.cached if s.shift})  # distinct block offsets
+        self.slot = {p: i for i, p in enumerate(self.shifts)}
+
+    def rotation(self, layer: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos/sin [n_shifts, d_head] (fp32) rotating a query by -p for every block offset p: one
+        call of the rotary embedding per layer type and forward."""
+        key = ("rot", self.kinds[layer])
         if key not in self.memo:
-            cos, sin = self.model.adapter.rope_cos_sin(self.model.hf, torch.tensor([-shift]), layer)
-            self.memo[key] = (cos.to(device), sin.to(device))  # [1, d_head] fp32
+            at = -torch.tensor(self.shifts)
+            cos, sin = self.model.adapter.rope_cos_sin(self.model.hf, at, layer)
+            self.memo[key] = (cos.to(device), sin.to(device))
         out: tuple[Tensor, Tensor] = self.memo[key]
         return out
 
-    def visible(self, k_pos: Tensor, window: int | None, inclusive: bool, dtype: torch.dtype,
-                device: torch.device) -> tuple[int, Tensor | None]:
-        """(first query row that sees any key, additive mask [rows, n] of the rows from there or
-        None when they see every key); a row that sees none of them later gets zero weight."""
-        key = ("mask", id(k_pos), window, inclusive, dtype)
+    def visible(self, i: int, k_pos: Tensor, window: int | None, g: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[bool, Tensor | None]:
+        """(whether any query sees segment i, its additive mask [1, 1, g * m, n] for the packed
+        query rows, None when every query sees every key). Segment -1 is the forward's own tokens."""
+        key = ("mask", i, window, dtype)
         if key not in self.memo:
             q = self.q_pos[:, None]
-            ok = (k_pos[None, :] <= q) if inclusive else (k_pos[None, :] < q)  # [m, n]
+            ok = (k_pos[None, :] <= q) if i < 0 else (k_pos[None, :] < q)  # [m, n]
             if window is not None:
                 ok = ok & (q - k_pos[None, :] < window)
-            rows = ok.any(1).nonzero()
-            lo = int(rows[0]) if rows.numel() else int(ok.shape[0])
             mask = None
-            if not bool(ok[lo:].all()):
-                add = torch.zeros(ok[lo:].shape, dtype=dtype)
-                mask = add.masked_fill(~ok[lo:], torch.finfo(dtype).min).to(device)
-            self.memo[key] = (lo, mask)
-        out: tuple[int, Tensor | None] = self.memo[key]
+            if not bool(ok.all()):  # rows that see no key get a finite floor: zero weight after the merge
+                add = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)
+                mask = add.repeat(g, 1)[None, None].to(device)  # packed row j * m + t reads row t
+            self.memo[key] = (bool(ok.any()), mask)
+        out: tuple[bool, Tensor | None] = self.memo[key]
         return out
 
 
@@ -185,31 +191,26 @@ def segment_attention(
     scale = scaling if scaling is not None else d**-0.5
     window = plan.windows[layer]
     dev, dt = query.device, query.dtype
-    acc = torch.zeros(1, kvh, g, m, d, dtype=torch.float32, device=dev)  # merged output
-    run = torch.full((1, kvh, g, m), float("-inf"), device=dev)  # its log-sum-exp so far
-    parts = [(s.keys[layer], s.values[layer], s.positions, s.shift, False) for s in plan.cached]
-    parts.append((key, value, plan.q_pos, 0, True))
-    for k, v, k_pos, shift, inclusive in parts:
-        lo, mask = plan.visible(k_pos, window, inclusive, dt, dev)
-        if lo >= m:
+    packed = query.reshape(1, kvh, g * m, d)  # query head h = k * g + j -> rows j * m + t of kv head k
+    rotated = None
+    if plan.shifts:  # the queries rotated by -p for every block offset p at once: [n_shifts, kv, g * m, d]
+        cos, sin = plan.rotation(layer, dev)
+        qf = packed.float()
+        rotated = (qf * cos[:, None, None] + rotate_half(qf) * sin[:, None, None]).to(dt)
+    outs, lses = [], []
+    parts = [(i, s.keys[layer], s.values[layer], s.positions, s.shift) for i, s in enumerate(plan.cached)]
+    parts.append((-1, key, value, plan.q_pos, 0))
+    for i, k, v, k_pos, shift in parts:
+        seen, mask = plan.visible(i, k_pos, window, g, dt, dev)
+        if not seen:
             continue
-        q = query[:, :, lo:]  # [1, head, rows, d]
-        if shift:
-            cos, sin = plan.rotation(layer, shift, dev)
-            qf = q.float()
-            q = (qf * cos + rotate_half(qf) * sin).to(dt)  # rotated by -shift
-        rows = m - lo
-        packed = q.reshape(1, kvh, g * rows, d)  # query head h = k * g + j -> rows of kv head k
-        if mask is not None:
-            mask = mask.repeat(g, 1)[None, None]  # [1, 1, g * rows, n]
-        out, lse = _attend(packed, k, v, mask, scale, softcap)
-        out, lse = out.reshape(1, kvh, g, rows, d), lse.reshape(1, kvh, g, rows)
-        prev = run[..., lo:]
-        new = torch.logaddexp(prev, lse)
-        a = acc[..., lo:, :]
-        a.mul_(torch.exp(prev - new)[..., None]).add_(out * torch.exp(lse - new)[..., None])
-        run[..., lo:] = new
-    out = acc.reshape(1, h, m, d).transpose(1, 2).to(dt)  # [1, m, head, d] as attention returns
+        q = packed if not shift else rotated[plan.slot[shift]][None]  # type: ignore[index]
+        out, lse = _attend(q, k, v, mask, scale, softcap)
+        outs.append(out)
+        lses.append(lse)
+    weight = torch.softmax(torch.stack(lses), dim=0)  # exp(l_s - logsumexp_s l_s): [parts, 1, kv, g * m]
+    out = (torch.stack(outs) * weight[..., None]).sum(0)  # [1, kv, g * m, d]
+    out = out.reshape(1, h, m, d).transpose(1, 2).to(dt)  # [1, m, head, d] as attention returns
     return out, None
 
 
@@ -256,7 +257,8 @@ def extend_segments(
             check_rope_type(str(params.get("rope_type", "default")), i,
                             float(params.get("partial_rotary_factor", 1.0)))
     plan = _Plan(model, cache.segments, pos,
-                 [model.adapter.sliding_window(hf, i) for i in range(model.n_layers)])
+                 [model.adapter.sliding_window(hf, i) for i in range(model.n_layers)],
+                 model.adapter.layer_types(hf))
     layers = [slots_class()(None, None, 0, m) for _ in range(model.n_layers)]
     past = dynamic(layers)
     net = hf if logits_to_keep is not None else model.adapter.decoder(hf)
