@@ -46,6 +46,8 @@ timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios o
   transfer per block; on CPU the device is the host, so nothing moves: `one_host_pinned` False),
   `tier_disk_speedup` (read from disk with its page cache dropped by posix_fadvise(DONTNEED),
   verified on read) and `tier_disk_warm_speedup` (the same, pages cached).
+* on CUDA, the 1-token extend and the erratum replayed from a CUDA graph captured once over held
+  buffers (kvnotes.engine.graphs: `extend1_graph_ratio`, `erratum_graph_ratio`).
 
 The limit is the question forwarded against an already cached context, timed three ways in the
 same rounds: a bare transformers forward over a `DynamicCache` filled through its own `update`

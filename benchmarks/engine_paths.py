@@ -133,11 +133,25 @@ def edit_paths(model: Any, length: int, with_map: bool) -> tuple[list[Timed], di
         Timed("erratum_inplace", lambda: run.extend_into(model, *held_err, at, rest)),
         Timed("erratum_gemms", gemm_pass(model, err.recomputed)),
     ]
+    if model.device.type == "cuda":  # the same short forwards replayed from CUDA graphs (engine.graphs)
+        paths += graph_paths(model, ed.stale, tail, at, rest)
     if with_map:
         pair = make_pair(model, item)
         paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
         info["map_positions"] = len(pair.field_to_end)
     return paths, info
+
+
+def graph_paths(model: Any, stale: Any, tail: torch.Tensor, at: int, rest: list[int]) -> list[Timed]:
+    """extend1 and the erratum, each captured once in a CUDA graph over its own held buffers."""
+    from kvnotes.engine.cache import buffers
+    from kvnotes.engine.graphs import GraphedExtend
+
+    one = GraphedExtend(model, *buffers(stale, tail.shape[1], 1, model.device), stale.seq_len, tail.shape[1])
+    room = max(0, at + len(rest) - stale.seq_len)
+    err = GraphedExtend(model, *buffers(stale, room, 1, model.device), at, len(rest))
+    ids = torch.tensor([rest], device=model.device)
+    return [Timed("extend1_graph", lambda: one(tail)), Timed("erratum_graph", lambda: err(ids))]
 
 
 def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]], question: list[int],

@@ -30,6 +30,9 @@ def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str
     row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
     row["erratum_ratio"] = ratio("erratum", "prefill")
     row["erratum_inplace_ratio"] = ratio("erratum_inplace", "prefill")
+    if "erratum_graph" in med:  # CUDA: replayed from a graph (kvnotes.engine.graphs)
+        row["extend1_graph_ratio"] = ratio("extend1_graph", "prefill")
+        row["erratum_graph_ratio"] = ratio("erratum_graph", "prefill")
     row["erratum_floor"] = info.get("erratum_floor")
     row["erratum_gemm_floor"] = ratio("erratum_gemms", "prefill")
     gemm = row["erratum_gemm_floor"]

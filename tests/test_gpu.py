@@ -141,3 +141,14 @@ def test_host_tier_is_pinned_and_moves_a_block_to_the_device(tmp_path):
     blk = tier.get("b")
     assert blk.cache.device.type == "cuda"
     assert blk.cache.max_abs_diff(store.load_block(path, m, device="cuda").cache) == 0.0
+
+
+def test_the_benchmark_times_graphed_short_forwards():
+    from benchmarks import engine_paths
+
+    m = tiny_model("llama", seed=0, dtype=torch.bfloat16)
+    m.hf.to("cuda")
+    stale = run.prefill(m, _ids(40, 1)).cache
+    paths = engine_paths.graph_paths(m, stale, _ids(1, 2).cuda(), 30, _ids(15, 3)[0].tolist())
+    assert [p.name for p in paths] == ["extend1_graph", "erratum_graph"]
+    assert all(p.fn().logits.shape[-1] == m.config.vocab_size for p in paths)
