@@ -36,6 +36,18 @@ timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios o
   on the same eight-block prompt, `--reps` times per mode: its `none`, `selective` and `cacheblend`
   strategies, each TTFT (wall clock from the call to the first token) against kvboost's own full
   prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`).
+* in place (kvnotes.compose.inplace: the stored blocks attended where they lie, queries rotated
+  instead of keys, no copy): the one block from the device tier (`inplace_share_of_limit`), the
+  eight blocks at K = 4 (`multiblock_inplace_share_of_limit`) and at K = 0
+  (`multiblock_k0_share_of_limit`; today's transplant at K = 0 moves to
+  `multiblock_k0_transplant_share_of_limit`). Tiers (kvnotes.compose.tiers), the one block in place
+  from each, as speedups over the full path: `tier_device_speedup` (held in device memory,
+  verified when it entered), `tier_host_speedup` (held in host memory, pinned on CUDA, one
+  transfer per block; on CPU the device is the host, so nothing moves: `one_host_pinned` False),
+  `tier_disk_speedup` (read from disk with its page cache dropped by posix_fadvise(DONTNEED),
+  verified on read) and `tier_disk_warm_speedup` (the same, pages cached).
+* on CUDA, the 1-token extend and the erratum replayed from a CUDA graph captured once over held
+  buffers (kvnotes.engine.graphs: `extend1_graph_ratio`, `erratum_graph_ratio`).
 
 The limit is the question forwarded against an already cached context, timed three ways in the
 same rounds: a bare transformers forward over a `DynamicCache` filled through its own `update`
@@ -77,7 +89,6 @@ if __name__ == "__main__":  # before torch starts OpenMP
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -101,7 +112,8 @@ from kvnotes.measure.timing import (  # noqa: E402
     timed,
 )
 from kvnotes.models import budget, load_model, tiny  # noqa: E402
-from kvnotes.models.loading import DTYPES, looks_like_checkpoint, resolve_device, resolve_dtype  # noqa: E402
+from kvnotes.models.devices import DTYPES, resolve_device, resolve_dtype  # noqa: E402
+from kvnotes.models.loading import looks_like_checkpoint  # noqa: E402
 from kvnotes.models.registry import UnknownModelError, get_spec  # noqa: E402
 
 WORKLOADS = ("edit", "ttft", "multiblock")
@@ -166,11 +178,12 @@ from benchmarks.engine_paths import (  # noqa: E402
     multiblock_paths,
     ttft_paths,
 )
-from kvnotes.engine.limit import fastest  # noqa: E402
+from benchmarks.engine_summary import summarize, table  # noqa: E402,F401  (tests read them here)
 
 # --- profile ---------------------------------------------------------------------------------
 
-PROFILED = ("erratum", "full_downstream", "one_transplant", "one_transplant_resident", "one_limit_inplace")
+PROFILED = ("erratum", "full_downstream", "one_transplant", "one_transplant_resident", "one_limit_inplace",
+            "one_inplace", "multi_inplace_k0", "multi_limit_inplace")
 
 
 def profile_paths(paths: list[Timed], length: int, out: Path, top: int = 15) -> dict[str, list[dict[str, Any]]]:
@@ -218,86 +231,6 @@ def run_rounds(paths: list[Timed], reps: int, warmup: int, device: torch.device,
                 p.peak_bytes = max(p.peak_bytes, torch.cuda.max_memory_allocated(device) - held)
             if r >= warmup:
                 p.times.append(t.seconds if clock == "wall" else t.cpu_seconds)
-
-
-def summarize(length: int, paths: list[Timed], info: dict[str, Any]) -> dict[str, Any]:
-    med = {p.name: statistics.median(p.times) for p in paths if p.times}
-
-    def ratio(a: str, b: str) -> float | None:
-        return med[a] / med[b] if a in med and b in med else None
-
-    def speed(tag: str, path: str) -> float | None:
-        return ratio(f"{tag}_full", f"{tag}_{path}")
-
-    row: dict[str, Any] = {"length": length, "prefill_s": med.get("prefill")}
-    row["extend1_ratio"] = ratio("extend1", "prefill")
-    row["extend1_bare_ratio"] = ratio("extend1_bare", "prefill")
-    row["extend1_inplace_ratio"] = ratio("extend1_inplace", "prefill")
-    row["extend1_gemm_floor"] = ratio("extend1_gemms", "prefill")
-    row["extend1_over_gemm_floor"] = ratio("extend1", "extend1_gemms")
-    row["extend1_copy_ratio"] = ratio("extend1_copy", "prefill")
-    row["full_downstream_ratio"] = ratio("full_downstream", "prefill")
-    row["erratum_ratio"] = ratio("erratum", "prefill")
-    row["erratum_inplace_ratio"] = ratio("erratum_inplace", "prefill")
-    row["erratum_floor"] = info.get("erratum_floor")
-    row["erratum_gemm_floor"] = ratio("erratum_gemms", "prefill")
-    gemm = row["erratum_gemm_floor"]
-    row["erratum_over_gemm_floor"] = row["erratum_ratio"] / gemm if row["erratum_ratio"] and gemm else None
-    for tag, key in (("one", "transplant"), ("multi", "multiblock")):
-        tp = speed(tag, "transplant")
-        bare, eng, inplace = speed(tag, "limit"), speed(tag, "limit_engine"), speed(tag, "limit_inplace")
-        lim, lim_path = fastest(bare=bare, engine=eng, inplace=inplace)  # kvnotes.engine.limit
-        row[f"{key}_speedup"] = tp
-        lkey = "limit" if tag == "one" else "multiblock_limit"
-        row[f"{lkey}_speedup"], row[f"{lkey}_path"] = lim, lim_path
-        row[f"{lkey}_bare_speedup"] = bare
-        row[f"{key}_share_of_limit"] = tp / lim if tp is not None and lim is not None else None
-        row[f"{key}_cold_speedup"] = speed(tag, "transplant_cold")
-        for variant in ("unverified", "resident"):  # verify=False: no hash; resident: no load
-            sp = speed(tag, f"transplant_{variant}")
-            row[f"{key}_{variant}_share_of_limit"] = sp / lim if sp and lim else None
-        row[f"{key}_limit_engine_speedup"] = eng
-        row[f"{key}_limit_inplace_speedup"] = inplace
-        for name in sorted(n for n in med if n.startswith(f"{tag}_transplant_k")):
-            k = name.removeprefix(f"{tag}_transplant_")
-            sp = speed(tag, f"transplant_{k}")
-            row[f"{key}_{k}_speedup"] = sp
-            row[f"{key}_{k}_share_of_limit"] = sp / lim if sp is not None and lim is not None else None
-    if "map" in med:
-        row["map_ratio"] = ratio("map", "prefill")
-    if "attribution" in med:  # attribution vs exact patching, each as a ratio to one prefill
-        row["attribution_ratio"], row["map_over_attribution"] = ratio("attribution", "prefill"), ratio("map", "attribution")
-    row.update(info)
-    row["seconds"] = med
-    peaks = {p.name: p.peak_bytes / 2**30 for p in paths if p.peak_bytes}
-    if peaks:  # CUDA: each call's own working set, and the weights plus the largest of them
-        row["rise_gib"] = peaks
-        row["peak_gib"] = info["weights_gib"] + max(peaks.values())
-    return row
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = [("length", "L", "{:.0f}"), ("prefill_s", "prefill s", "{:.3f}"),
-            ("extend1_ratio", "extend1", "{:.4f}"), ("extend1_inplace_ratio", "ext1 inpl", "{:.4f}"),
-            ("extend1_bare_ratio", "ext1 bare", "{:.4f}"),
-            ("extend1_gemm_floor", "ext1 gemm", "{:.4f}"), ("extend1_copy_ratio", "ext1 copy", "{:.4f}"), ("full_downstream_ratio", "full_down", "{:.3f}"),
-            ("erratum_ratio", "erratum", "{:.4f}"), ("erratum_inplace_ratio", "err inpl", "{:.4f}"),
-            ("erratum_floor", "floor", "{:.4f}"),
-            ("erratum_flop_floor", "flop floor", "{:.4f}"), ("erratum_gemm_floor", "gemm floor", "{:.4f}"),
-            ("transplant_speedup", "tp x", "{:.2f}"), ("limit_speedup", "limit x", "{:.2f}"), ("limit_path", "limit via", "{}"),
-            ("transplant_share_of_limit", "tp/limit", "{:.2f}"),
-            ("transplant_resident_share_of_limit", "resid/lim", "{:.2f}"), ("multiblock_speedup", "multi x", "{:.2f}"),
-            ("multiblock_share_of_limit", "multi/limit", "{:.2f}"), ("multi_flop_ceiling", "ceiling", "{:.2f}"),
-            ("multiblock_k0_share_of_limit", "k0/limit", "{:.2f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
-            ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
-            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}"), ("attribution_ratio", "attrib", "{:.3f}"),
-            ("estimate_gib", "est GiB", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]
-    cols = [c for c in cols if any(c[0] in r for r in rows)]
-    lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]
-    for r in rows:
-        cells = [fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in cols]
-        lines.append(" ".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines)
 
 
 PROMPT_AROUND = 128  # tokens around a benchmark prompt of L tokens: system prefix and question, or an erratum

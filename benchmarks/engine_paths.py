@@ -18,18 +18,25 @@ from experiments.shared import kvboost
 from experiments.shared.skill_prompts import question_ids, skill_ids
 from kvnotes import tasks
 from kvnotes.compose import splice as compose
+from kvnotes.compose.inplace import transplant_extend_inplace
 from kvnotes.compose.store import block_path, load_block, save_block
+from kvnotes.compose.tiers import MemoryTier
 from kvnotes.edit.attribution import attribute_cache
 from kvnotes.edit.patching import make_pair, patched_scores
 from kvnotes.edit.strategies import Editor
 from kvnotes.engine import run
 from kvnotes.engine.cache import buffers
+from kvnotes.engine.graphs import GraphedExtend
 from kvnotes.engine.limit import bare_cache, bare_forward
 from kvnotes.measure.metrics import logit_cosine
 from kvnotes.tasks.skills import skill_names
 
 SEAM = 4
 N_BLOCKS = 8
+# where the one-block workload's in-place transplant reads its block from (kvnotes.compose.tiers):
+# device memory, host memory (one transfer per block; on CPU no transfer: the device is the host),
+# local disk with a cold and a warm page cache (verified on every read: a read is an entry)
+TIERS = ("device", "host", "disk", "disk_warm")
 
 
 # --- FLOPs ----------------------------------------------------------------------------------
@@ -136,6 +143,8 @@ def edit_paths(model: Any, length: int, with_map: bool,
         Timed("erratum_inplace", lambda: run.extend_into(model, *held_err, at, rest)),
         Timed("erratum_gemms", gemm_pass(model, err.recomputed)),
     ]
+    if model.device.type == "cuda":  # the same short forwards replayed from CUDA graphs (engine.graphs)
+        paths += graph_paths(model, ed.stale, tail, at, rest)
     if with_map or with_attribution:  # the exact per-position map; attribution's beside it
         pair = make_pair(model, item)
         paths.append(Timed("map", lambda: patched_scores(model, pair, [[q] for q in pair.field_to_end])))
@@ -145,10 +154,21 @@ def edit_paths(model: Any, length: int, with_map: bool,
     return paths, info
 
 
+def graph_paths(model: Any, stale: Any, tail: torch.Tensor, at: int, rest: list[int]) -> list[Timed]:
+    """extend1 and the erratum, each captured once in a CUDA graph over its own held buffers."""
+
+    one = GraphedExtend(model, *buffers(stale, tail.shape[1], 1, model.device), stale.seq_len, tail.shape[1])
+    room = max(0, at + len(rest) - stale.seq_len)
+    err = GraphedExtend(model, *buffers(stale, room, 1, model.device), at, len(rest))
+    ids = torch.tensor([rest], device=model.device)
+    return [Timed("extend1_graph", lambda: one(tail)), Timed("erratum_graph", lambda: err(ids))]
+
+
 def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]], question: list[int],
-              tag: str, extra_seams: tuple[int, ...] = ()) -> tuple[list[Timed], dict[str, Any]]:
-    """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / limit paths of
-    prefix + blocks + question."""
+              tag: str, extra_seams: tuple[int, ...] = (), tiers: bool = False) -> tuple[list[Timed], dict[str, Any]]:
+    """full / transplant (warm, cold; seam SEAM, and each of `extra_seams`) / in place (device
+    tier; at K = 0 too when 0 is among `extra_seams`; `tiers`: also from the host tier and from
+    disk, cold and warm) / limit paths of prefix + blocks + question."""
 
     files = []
     for j, ids in enumerate(blocks):
@@ -181,6 +201,19 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
     def limit_setup() -> None:
         state["bare"] = bare_cache(context)
 
+    device_tier, host_tier = MemoryTier(model, "device"), MemoryTier(model, "host")
+    names = [device_tier.admit(f) for f in files]  # verified once, here, as they enter
+    for f in files:
+        host_tier.admit(f)
+
+    def inplace(tier: Any = device_tier, seam: int = SEAM) -> torch.Tensor:
+        """The blocks attended where they lie (no rotation, no copy): compose.inplace."""
+        blks = [tier.get(n) for n in names] if tier is not None else \
+            [load_block(f, model, device=model.device) for f in files]
+        logits = transplant_extend_inplace(model, prefix_cache, blks, seam, question).logits
+        assert logits is not None
+        return logits[0, -1]
+
     held = buffers(context, len(question), 1, model.device)  # the context in place, with room
 
     paths = [
@@ -197,6 +230,13 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
     ]
     for k in extra_seams:
         paths.append(Timed(f"{tag}_transplant_k{k}", functools.partial(transplant, seam=k)))
+    paths.append(Timed(f"{tag}_inplace", inplace))  # the device tier
+    if 0 in extra_seams:
+        paths.append(Timed(f"{tag}_inplace_k0", functools.partial(inplace, seam=0)))
+    if tiers:
+        paths += [Timed(f"{tag}_tier_host", functools.partial(inplace, host_tier)),
+                  Timed(f"{tag}_tier_disk", functools.partial(inplace, None), cold_setup),
+                  Timed(f"{tag}_tier_disk_warm", functools.partial(inplace, None))]
     ref = full_step.logits[0, -1]
     seam_tokens = sum(min(SEAM, len(b)) for b in blocks)
     flops_full = forward_flops(model, len(body) + len(question), len(prefix))
@@ -211,13 +251,16 @@ def _composed(model: Any, store: Path, prefix: list[int], blocks: list[list[int]
                 (run.extend_into(model, *held, context.seq_len, question).logits[0, -1] - ref).abs().max())}
     for k in extra_seams:
         info[f"{tag}_cosine_k{k}"] = float(logit_cosine(transplant(seam=k), ref))
+    info[f"{tag}_inplace_max_abs_diff"] = float((inplace() - transplant()).abs().max())
+    info[f"{tag}_inplace_cosine"] = float(logit_cosine(inplace(), ref))
+    info[f"{tag}_host_pinned"] = host_tier.pinned
     return paths, info
 
 
 def ttft_paths(model: Any, length: int, store: Path) -> tuple[list[Timed], dict[str, Any]]:
     prefix, question = question_ids(model.tokenizer, "refund", model.chat)
     block = skill_ids(model.tokenizer, "refund", length, seed=0)
-    return _composed(model, store, prefix, [block], question, "one")
+    return _composed(model, store, prefix, [block], question, "one", tiers=True)
 
 
 MULTI_EXTRA_SEAMS = (0, 1)  # the eight-block splice also without repair and with one token per seam

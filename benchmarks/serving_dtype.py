@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvnotes.measure.timing import native_bf16
 from kvnotes.models import budget
-from kvnotes.models.loading import DTYPES
+from kvnotes.models.devices import DTYPES
 from kvnotes.models.registry import UnknownModelError, get_spec
 
 ROOT = Path(__file__).resolve().parent.parent

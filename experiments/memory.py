@@ -35,7 +35,7 @@ from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import ci_dict, prop_dict
 from kvnotes.measure.timing import torch_threads
 from kvnotes.tasks import build_suite, locomo
-from kvnotes.tasks.templates import banks
+from kvnotes.tasks.domains import banks
 from kvnotes.tasks.tokens import encode, frame
 
 if TYPE_CHECKING:

@@ -284,3 +284,36 @@ def test_attribution_is_timed_beside_the_exact_map_as_ratios_to_one_prefill():
     engine.run_rounds([by["attribution"]], reps=1, warmup=0, device=m.device)
     assert by["attribution"].last.shape[0] == info["edit_tokens"] - 1  # [pos, layer, kv_head] of the cache
     assert engine.parse_args(["--attribution"]).attribution
+
+
+def test_in_place_and_tier_paths_run_and_agree_with_the_transplant(tmp_path):
+    m = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    prefix, question = torch.randint(0, 128, (5,), generator=g).tolist(), torch.randint(0, 128, (6,), generator=g).tolist()
+    blocks = [torch.randint(0, 128, (12,), generator=g).tolist() for _ in range(2)]
+    paths, info = workloads._composed(m, tmp_path, prefix, blocks, question, "one", (0,), tiers=True)
+    by = {p.name: p for p in paths}
+    assert {"one_inplace", "one_inplace_k0", "one_tier_host", "one_tier_disk", "one_tier_disk_warm"} <= set(by)
+    assert info["one_inplace_max_abs_diff"] <= ATOL_FP32 and info["one_host_pinned"] is False
+    ref = by["one_transplant"].fn()
+    for name in ("one_inplace", "one_tier_host", "one_tier_disk", "one_tier_disk_warm"):
+        if by[name].setup is not None:
+            by[name].setup()
+        assert (by[name].fn() - ref).abs().max().item() <= ATOL_FP32, name
+
+
+def test_summary_reads_in_place_shares_and_tier_speedups():
+    def timed(name, t):
+        return workloads.Timed(name, lambda: None, times=[t] * 3)
+
+    row = engine.summarize(100, [timed("one_full", 10), timed("one_limit", 1), timed("one_transplant", 2),
+                                 timed("one_inplace", 1.25), timed("one_tier_host", 1.25),
+                                 timed("one_tier_disk", 5), timed("one_tier_disk_warm", 2.5),
+                                 timed("multi_full", 10), timed("multi_limit", 1),
+                                 timed("multi_transplant_k0", 2), timed("multi_inplace_k0", 1.1)], {})
+    assert row["inplace_share_of_limit"] == pytest.approx(0.8)
+    assert row["tier_device_speedup"] == pytest.approx(8) and row["tier_host_speedup"] == pytest.approx(8)
+    assert row["tier_disk_speedup"] == pytest.approx(2) and row["tier_disk_warm_speedup"] == pytest.approx(4)
+    assert row["multiblock_k0_share_of_limit"] == pytest.approx(1 / 1.1)
+    assert row["multiblock_k0_transplant_share_of_limit"] == pytest.approx(0.5)
+    assert "inpl/lim" in engine.table([row]) and "k0 tp/lim" in engine.table([row])

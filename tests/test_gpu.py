@@ -96,3 +96,59 @@ def test_a_block_loaded_to_cuda_is_the_stored_block_and_a_damaged_one_is_refused
     path.write_bytes(bytes(raw))
     with pytest.raises(store.BlockDamagedError):
         store.load_block(path, cuda_tiny, device="cuda")
+
+
+# --- short forwards replayed from a CUDA graph (kvnotes.engine.graphs) ---------------------------
+
+
+@pytest.mark.parametrize("filled,n", [(40, 1), (25, 12), (40, 7)])  # extend1, an erratum, a question
+def test_graphed_extend_equals_the_eager_forward(cuda_tiny, filled, n):
+    from kvnotes.engine.cache import buffers
+    from kvnotes.engine.graphs import GraphedExtend
+
+    cache = run.prefill(cuda_tiny, _ids(40, 8)).cache
+    eager_bufs = buffers(cache, n, 1, cuda_tiny.device)
+    graph_bufs = buffers(cache, n, 1, cuda_tiny.device)
+    graphed = GraphedExtend(cuda_tiny, *graph_bufs, filled, n, logits_to_keep=n)
+    for seed in (9, 10):  # two replays with different ids: the static input is really read
+        ids = _ids(n, seed).cuda()
+        want = run.extend_into(cuda_tiny, *eager_bufs, filled, ids, logits_to_keep=n)
+        got = graphed(ids)
+        assert _close(got.logits, want.logits)
+        assert _close(torch.stack(got.cache.keys), torch.stack(want.cache.keys))
+
+
+def test_blocks_attended_in_place_equal_the_transplant(cuda_tiny):
+    from kvnotes.compose.inplace import transplant_extend_inplace
+
+    pre = run.prefill(cuda_tiny, _ids(9, 1)).cache
+    blocks = [compose.prefill_block(cuda_tiny, _ids(n, s)) for n, s in ((20, 3), (30, 4))]
+    q = _ids(5, 2)
+    want = compose.transplant_extend(cuda_tiny, pre, blocks, 2, q, logits_to_keep=0)
+    got = transplant_extend_inplace(cuda_tiny, pre, blocks, 2, q, logits_to_keep=0)
+    assert got.logits is not None and _close(got.logits, want.logits)
+
+
+def test_host_tier_is_pinned_and_moves_a_block_to_the_device(tmp_path):
+    from kvnotes.compose import store, tiers
+
+    m = tiny_model("llama", seed=0, dtype=torch.bfloat16)
+    m.hf.to("cuda")
+    path = store.save_block(tmp_path / "b.safetensors", m, compose.prefill_block(m, _ids(11, 1)))
+    tier = tiers.MemoryTier(m, "host")
+    tier.admit(path)
+    assert tier.pinned
+    blk = tier.get("b")
+    assert blk.cache.device.type == "cuda"
+    assert blk.cache.max_abs_diff(store.load_block(path, m, device="cuda").cache) == 0.0
+
+
+def test_the_benchmark_times_graphed_short_forwards():
+    from benchmarks import engine_paths
+
+    m = tiny_model("llama", seed=0, dtype=torch.bfloat16)
+    m.hf.to("cuda")
+    stale = run.prefill(m, _ids(40, 1)).cache
+    paths = engine_paths.graph_paths(m, stale, _ids(1, 2).cuda(), 30, _ids(15, 3)[0].tolist())
+    assert [p.name for p in paths] == ["extend1_graph", "erratum_graph"]
+    assert all(p.fn().logits.shape[-1] == m.config.vocab_size for p in paths)

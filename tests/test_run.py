@@ -285,3 +285,16 @@ def test_a_forward_past_the_models_positions_is_one_config_error(tmp_path):
     assert run.extend(model, step.cache, _ids(6)).cache.seq_len == 16  # the limit itself runs
     with pytest.raises(ConfigError, match="17 positions"):
         run.recompute_extend(model, step.cache, _ids(10), [3], _ids(7))
+
+
+def test_cuda_graphs_are_refused_in_one_line_off_cuda():
+    from kvnotes.engine.cache import buffers
+    from kvnotes.engine.graphs import GraphedExtend
+    from kvnotes.errors import ConfigError
+    from kvnotes.models.tiny import tiny_model
+
+    m = tiny_model("llama")
+    cache = run.prefill(m, torch.arange(5)[None]).cache
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device") as e:
+        GraphedExtend(m, *buffers(cache, 1, 1, m.device), 5, 1)
+    assert "\n" not in str(e.value)

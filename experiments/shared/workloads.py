@@ -21,8 +21,8 @@ from typing import Any
 
 from kvnotes.compose.blend import Layout
 from kvnotes.tasks import build_suite, filler, locomo
+from kvnotes.tasks.domains import bank
 from kvnotes.tasks.memory import ANSWER_PREFIX, TASK, facts
-from kvnotes.tasks.templates import bank
 from kvnotes.tasks.tokens import Piece, assemble, decision_ids, encode, frame
 
 LOCOMO_INTRO = "You are a personal assistant. Answer from the conversation memory below.\n\n"

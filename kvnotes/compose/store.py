@@ -248,6 +248,29 @@ def read_info(path: str | os.PathLike[str]) -> BlockInfo:
     return BlockInfo.from_metadata(meta, path)
 
 
+def check_usable(info: BlockInfo, model: LoadedModel, path: Path) -> None:
+    """BlockMismatchError listing every field (model, weights, rope, dtype) that differs."""
+    bad = info.mismatches(model)
+    if bad:
+        raise BlockMismatchError(
+            f"stored block {info.name!r} ({path}) was prefilled under another configuration and "
+            f"cannot be spliced into this model: " + "; ".join(bad)
+        )
+
+
+def check_content(info: BlockInfo, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str],
+                  path: Path | str, where: str = "") -> None:
+    """BlockDamagedError when `tensors` and `meta` no longer hash to the checksum saved with them
+    (`where`: the copy checked, e.g. "in the host tier"; empty: the file)."""
+    algorithm = info.checksum.partition(":")[0]
+    if (got := content_checksum(tensors, meta, algorithm)) != info.checksum:
+        raise BlockDamagedError(
+            f"stored block {info.name!r} ({path}){' ' + where if where else ''} is damaged: its "
+            f"content hashes to {got[:24]}..., saved as {info.checksum[:24]}... (a changed byte "
+            f"in K/V, ids or metadata); {'admit it again' if where else 'save it again'}"
+        )
+
+
 def load_block(
     path: str | os.PathLike[str], model: LoadedModel, device: torch.device | str | None = None,
     verify: bool = True,
@@ -264,12 +287,7 @@ def load_block(
 
     path = Path(path)
     info = read_info(path)
-    bad = info.mismatches(model)
-    if bad:
-        raise BlockMismatchError(
-            f"stored block {info.name!r} ({path}) was prefilled under another configuration and "
-            f"cannot be spliced into this model: " + "; ".join(bad)
-        )
+    check_usable(info, model, path)
     dev = torch.device("cpu" if device is None else device)
     try:
         if dev.type == "cuda":
@@ -281,13 +299,8 @@ def load_block(
             placed = tensors
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise StoreError(f"{path}: unreadable safetensors file ({e})") from e
-    algorithm = info.checksum.partition(":")[0]
-    if verify and (got := content_checksum(tensors, meta, algorithm)) != info.checksum:
-        raise BlockDamagedError(
-            f"stored block {info.name!r} ({path}) is damaged: its content hashes to "
-            f"{got[:24]}..., saved as {info.checksum[:24]}... (a changed byte in K/V, ids or "
-            f"metadata); save it again"
-        )
+    if verify:
+        check_content(info, tensors, meta, path)
     try:
         ids = tensors["ids"]
         keys = tuple(placed[f"k.{i}"] for i in range(info.n_layers))

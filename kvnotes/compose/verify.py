@@ -44,7 +44,8 @@ from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 from kvnotes.models import get_spec, load_model, model_names, resolve_dtype
 from kvnotes.models.loading import LoadedModel
 from kvnotes.models.tiny import tiny_model
-from kvnotes.models.weights import WeightsError, cache_dir, is_converted
+from kvnotes.models.weights import is_converted
+from kvnotes.models.wheels import WeightsError, cache_dir
 from kvnotes.tasks import filler
 from kvnotes.tasks.tokens import encode, frame
 

@@ -1,12 +1,11 @@
 """Models kvnotes can load by name, their offline weights and their family adapters."""
 
 from kvnotes.models.adapters import FAMILIES, FamilyAdapter, adapter_for
+from kvnotes.models.devices import resolve_device, resolve_dtype
 from kvnotes.models.loading import (
     LoadedModel,
     load_model,
     load_tokenizer,
-    resolve_device,
-    resolve_dtype,
     wrap_model,
 )
 from kvnotes.models.registry import ModelSpec, UnknownModelError, get_spec, model_names, register

@@ -18,16 +18,8 @@ import sys
 
 from kvnotes.errors import ConfigError
 from kvnotes.models.registry import get_spec, model_names
-from kvnotes.models.weights import (
-    WeightsError,
-    cache_dir,
-    ensure,
-    is_converted,
-    prepare,
-    prepare_tokenizer,
-    present,
-    verify,
-)
+from kvnotes.models.weights import ensure, is_converted, prepare, prepare_tokenizer, present, verify
+from kvnotes.models.wheels import WeightsError, cache_dir
 
 COMPOSITION_CHECK = "kvnotes verify"  # the other `verify`: the composition go / no-go
 

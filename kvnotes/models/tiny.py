@@ -14,18 +14,9 @@ from typing import Any
 import torch
 
 from kvnotes.models.adapters import FAMILIES, adapter_for
-from kvnotes.models.adapters.base import TINY_COMMON
-from kvnotes.models.loading import (
-    LoadedModel,
-    WeightsError,
-    freeze,
-    resolve_device,
-    resolve_dtype,
-    weights_id,
-    wrap_model,
-)
-
-_COMMON = TINY_COMMON  # the sizes every family's tiny config shares (older imports)
+from kvnotes.models.devices import resolve_device, resolve_dtype
+from kvnotes.models.loading import LoadedModel, freeze, weights_id, wrap_model
+from kvnotes.models.wheels import WeightsError
 
 
 def tiny_config(family: str) -> Any:

@@ -30,13 +30,12 @@ from kvnotes.models.integrity import (
     record_folder,
 )
 from kvnotes.models.registry import ModelSpec, get_spec
-from kvnotes.models.wheels import (  # noqa: F401  (WeightsError, cache_dir, fetch: re-exported)
+from kvnotes.models.wheels import (
     WeightsError,
     cache_dir,
     fetch,
     fetch_command,
     gguf_path,
-    missing_parts,
 )
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvnotes.tasks.domains import Domain, domain_names
 from kvnotes.tasks.gated import build_item
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.memory import build_memory_item
@@ -20,11 +21,9 @@ from kvnotes.tasks.scoring import ItemScore, score_items
 from kvnotes.tasks.skills import build_skill_item
 from kvnotes.tasks.templates import (
     Design,
-    Domain,
     Suite,
     UnknownSuiteError,
     configured_suite,
-    domain_names,
     load_suite,
     suite_names,
 )

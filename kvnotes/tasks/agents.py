@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnotes.tasks import filler
+from kvnotes.tasks.domains import Domain, banks, builtin_domains
 from kvnotes.tasks.gated import rule_phrasings
-from kvnotes.tasks.templates import Domain, banks, builtin_domains
 from kvnotes.tasks.tokens import (
     SENTINEL_SYSTEM,
     SENTINEL_USER,

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.tasks import filler
+from kvnotes.tasks.domains import banks
 from kvnotes.tasks.gated import Draw, draw, example_pieces, outcome_for, rule_pieces
 from kvnotes.tasks.item import TaskItem
-from kvnotes.tasks.templates import Suite, banks, configured_suite
+from kvnotes.tasks.templates import Suite, configured_suite
 from kvnotes.tasks.tokens import Frame, Piece, assemble, encode, frame, rendered_fields
 
 LAYOUT = "distance"

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvnotes.tasks.templates import banks
+from kvnotes.tasks.domains import banks
 from kvnotes.tasks.tokens import encode
 
 _SLOT = re.compile(r"{(\w+)}")

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.tasks import filler
+from kvnotes.tasks.domains import Domain, banks
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.rules import fill_rule, rule_phrasings
-from kvnotes.tasks.templates import Domain, Suite, banks
+from kvnotes.tasks.templates import Suite
 from kvnotes.tasks.tokens import (
     Frame,
     Piece,

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.tasks import filler
+from kvnotes.tasks.domains import bank
 from kvnotes.tasks.item import TaskItem
-from kvnotes.tasks.templates import Suite, bank
+from kvnotes.tasks.templates import Suite
 from kvnotes.tasks.tokens import Frame, Piece, assemble, rendered_fields
 
 INTRO = "You are a personal assistant. Answer from the user memory below."

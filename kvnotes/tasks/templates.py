@@ -16,17 +16,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kvnotes.tasks.domains import (  # noqa: F401  (the data a suite is built from)
-    CONTEXT_FIELDS,
+from kvnotes.tasks.domains import (
     TEMPLATE_DIR,
     Domain,
     _read,
-    bank,
-    banks,
     builtin_domains,
     domain_from_dict,
-    domain_names,
-    format_problem,
 )
 from kvnotes.tasks.rules import check_rules
 

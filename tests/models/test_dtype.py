@@ -23,7 +23,7 @@ def test_explicit_names_are_kept_and_bad_ones_refused():
 
 def test_cpu_without_native_bf16_takes_fp32_even_for_bf16_models(monkeypatch, caplog):
     _bf16(monkeypatch, native=False)
-    with caplog.at_level(logging.INFO, logger="kvnotes.models.loading"):
+    with caplog.at_level(logging.INFO, logger="kvnotes.models.devices"):
         assert resolve_dtype("auto", get_spec("qwen3-8b"), "cpu") == torch.float32
     assert "without native bf16" in caplog.text
 
@@ -36,7 +36,7 @@ def test_cpu_with_native_bf16_takes_bf16_only_for_models_declared_fine_in_it(mon
 
 def test_fp32_that_does_not_fit_falls_back_to_bf16(monkeypatch, caplog):
     _bf16(monkeypatch, native=False, free=8 * 2**30)  # 8B x 4 bytes > half of 8 GiB
-    with caplog.at_level(logging.INFO, logger="kvnotes.models.loading"):
+    with caplog.at_level(logging.INFO, logger="kvnotes.models.devices"):
         assert resolve_dtype("auto", get_spec("llama-3.1-8b"), "cpu") == torch.bfloat16
     assert "would not fit" in caplog.text
 

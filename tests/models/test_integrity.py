@@ -30,11 +30,11 @@ from kvnotes.models.weights import (
     convert,
     converted_dir,
     ensure,
-    gguf_path,
     prepare_tokenizer,
     tokenizer_dir,
     verify,
 )
+from kvnotes.models.wheels import gguf_path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/models/ is two below)
 PIN = hashlib.sha256(b"a gguf").hexdigest()

@@ -19,7 +19,8 @@ from kvnotes.models import (
 from kvnotes.models.adapters.base import TINY_COMMON
 from kvnotes.models.registry import ModelSpec, WheelPart
 from kvnotes.models.tiny import tiny_config, tiny_model
-from kvnotes.models.weights import cache_dir, convert, converted_dir, gguf_path, prepare_tokenizer
+from kvnotes.models.weights import convert, converted_dir, prepare_tokenizer
+from kvnotes.models.wheels import cache_dir, gguf_path
 
 
 def test_named_models_are_registered():

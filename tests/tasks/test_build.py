@@ -121,7 +121,7 @@ def test_polarity_2x2_is_balanced_and_inverts(qwen_tok):
 
 
 def load_value(it: TaskItem, i: int) -> str:
-    from kvnotes.tasks.templates import builtin_domains
+    from kvnotes.tasks.domains import builtin_domains
 
     return builtin_domains()[it.domain].values[i]
 

@@ -44,7 +44,7 @@ def test_agent_scenarios_follow_the_state(named_tok):
         assert len(sc.domains) == 3 and len(sc.turns) == 4
         for t, turn in enumerate(sc.turns):
             n_updates += len(turn.updates)
-            from kvnotes.tasks.templates import builtin_domains
+            from kvnotes.tasks.domains import builtin_domains
 
             d = builtin_domains()[turn.domain]
             value = sc.state_at(t)[d.field]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from kvnotes.tasks import build_suite, domain_names, load_suite
-from kvnotes.tasks.templates import builtin_domains
+from kvnotes.tasks.domains import builtin_domains
 from kvnotes.tasks.tokens import check_alignment, encode
 
 FRESH = "gated-fresh"

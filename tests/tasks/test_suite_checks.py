@@ -8,8 +8,8 @@ import pytest
 
 from kvnotes.tasks import build_suite, domain_names, load_suite, suite_names
 from kvnotes.tasks import tokens as tokens_mod
+from kvnotes.tasks.domains import Domain
 from kvnotes.tasks.rules import fill_rule, rule_problem
-from kvnotes.tasks.templates import Domain
 
 LIBRARY = """kind: gated
 {domains}extra_domains:

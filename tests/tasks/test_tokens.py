@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.tasks import DecisionTokenError, build_suite
+from kvnotes.tasks.domains import builtin_domains
 from kvnotes.tasks.memory import facts
 from kvnotes.tasks.skills import skills
-from kvnotes.tasks.templates import builtin_domains
 from kvnotes.tasks.tokens import (
     AlignmentError,
     Piece,
