@@ -4,6 +4,7 @@ no module over about 400 lines, jobs found by their module convention, typed mod
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -184,8 +185,26 @@ def test_import_scan_sees_function_level_imports(tmp_path):
 
 @pytest.mark.parametrize("folder", ["kvnotes", "probes", "experiments", "runner", "serving", "analysis", "benchmarks"])
 def test_no_module_over_about_400_lines(folder):
-    long = {rel(p): n for p in modules(folder) if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these by what they hold: {long}"
+    """The cap measures rooms, not files: a module may pass it when splitting would cut one
+    responsibility in two, and its docstring says so (`Past the line cap: <why>`)."""
+    long = {rel(p): n for p in modules(folder) if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and not past_the_cap(p)}
+    assert not long, f"split these by what they hold, or say in the docstring why not: {long}"
+
+
+def past_the_cap(path: Path) -> str:
+    """The reason a module's docstring gives for passing the line cap ('' if none)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    m = re.search(r"Past the line cap: (\S.{20,})", doc.replace("\n", " "))
+    return m.group(1) if m else ""
+
+
+def test_a_module_past_the_cap_must_give_a_reason(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('"""A module.\n\nPast the line cap: its parser and its checks read one grammar."""\n')
+    assert past_the_cap(src).startswith("its parser")
+    src.write_text('"""A module. Past the line cap: yes."""\n')  # no reason given
+    assert not past_the_cap(src)
 
 
 def test_jobs_are_found_by_their_module_convention():
