@@ -27,7 +27,7 @@ from kvnotes.measure.metrics import ci_dict
 from kvnotes.measure.timing import measure
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
-from probes.parts.common import item_fields, run_pairs, skip_summary
+from probes.parts.common import pair_fields, run_pairs, skip_summary, token_texts
 
 
 @dataclass
@@ -59,17 +59,13 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(spearmanr(a[ok], b[ok]).statistic)
 
 
-def _decode(model: LoadedModel, ids: Sequence[int]) -> list[str]:
-    return [model.tokenizer.decode([i]) for i in ids] if model.tokenizer is not None else [""] * len(ids)
-
 
 def item_records(
     model: LoadedModel, pair: PatchPair, cfg: AttributionConfig, margin: float
 ) -> list[dict[str, Any]]:
     """The stored map, per-position rows and one row of per-item agreement with exact patching."""
     item = pair.item
-    base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
-                                "score_oracle": pair.score_oracle}
+    base = pair_fields(pair, margin)
     amap, attr_s, _ = measure(lambda: attribute_cache(model, pair), model.device, memory=False)
     cand = pair.field_to_end
     est = {m: to_recovery(pair, amap.per_position(m)) for m in METHODS}  # [n_cached] each
@@ -106,12 +102,12 @@ def item_records(
         stats[f"recovery_top{k0}_exact"] = float(rec_joint[2])
     if cfg.exact_layers:
         stats |= _layer_agreement(model, pair, amap.per_position_layer("qk"), amap.per_position_layer("linear"), cfg)
-    tokens = _decode(model, item.old_ids)
+    tokens = token_texts(model, item.old_ids)
     aggregators = set(item.aggregators)
     out = [base | {"condition": "item", **stats},
            base | {"condition": "map", **encode(amap)},
            base | {"condition": "tokens", "tokens": tokens,
-                   "new_tokens": _decode(model, item.new_ids[slice(*item.field_span)])}]
+                   "new_tokens": token_texts(model, item.new_ids[slice(*item.field_span)])}]
     out += [base | {"condition": "position", "position": p, "token": tokens[p], "in_field": p < item.field_span[1],
                     "is_aggregator": p in aggregators, "recovery": float(exact[p]),
                     "attribution": float(est["qk"][p]), "attribution_linear": float(est["linear"][p])}

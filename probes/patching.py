@@ -21,7 +21,14 @@ from typing import Any
 from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
-from probes.parts.common import by_condition, curve, item_fields, run_pairs, skip_summary
+from probes.parts.common import (
+    by_condition,
+    curve,
+    pair_fields,
+    run_pairs,
+    skip_summary,
+    token_texts,
+)
 
 CONDITIONS = ("stale", "field_only", "notes_only", "full_downstream", "oracle")
 
@@ -42,17 +49,13 @@ class PatchingConfig:
             raise ValueError("batch_size must be >= 1 and unit_size >= 0")
 
 
-def _decode(model: LoadedModel, ids: Sequence[int]) -> list[str]:
-    return [model.tokenizer.decode([i]) for i in ids] if model.tokenizer is not None else [""] * len(ids)
-
 
 def item_records(
     model: LoadedModel, pair: PatchPair, cfg: PatchingConfig, margin: float
 ) -> list[dict[str, Any]]:
     """All patching records of one usable item."""
     item = pair.item
-    base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
-                                "score_oracle": pair.score_oracle}
+    base = pair_fields(pair, margin)
     states = [[], pair.field_positions, pair.downstream_positions, pair.field_to_end,
               list(range(pair.n_cached))]
     scores = patched_scores(model, pair, states, batch_size=cfg.batch_size)
@@ -67,11 +70,11 @@ def item_records(
                         "score": float(a), "recovery": float(b)}
                 for layer, a, b in zip(layers, s, recoveries(pair, s), strict=True)]
     if cfg.per_position:
-        out.append(base | {"condition": "tokens", "tokens": _decode(model, item.old_ids),
-                           "new_tokens": _decode(model, item.new_ids[slice(*item.field_span)])})
+        out.append(base | {"condition": "tokens", "tokens": token_texts(model, item.old_ids),
+                           "new_tokens": token_texts(model, item.new_ids[slice(*item.field_span)])})
         positions = pair.field_to_end
         s = patched_scores(model, pair, [[p] for p in positions], batch_size=cfg.batch_size)
-        tokens = _decode(model, [item.old_ids[p] for p in positions])
+        tokens = token_texts(model, [item.old_ids[p] for p in positions])
         aggregators = set(item.aggregators)
         out += [base | {"condition": "position", "position": p, "token": t,
                         "in_field": p < item.field_span[1], "is_aggregator": p in aggregators,

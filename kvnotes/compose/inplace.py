@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvnotes.compose.splice import Block
+from kvnotes.compose.splice import Block, checked_blocks
 from kvnotes.engine.cache import KVCache
 from kvnotes.engine.run import Ids, as_ids
 from kvnotes.engine.segments import Segment, SegmentedCache, SegmentStep, extend_segments
@@ -26,19 +26,7 @@ def segments_of(
     model: LoadedModel, prefix: KVCache | None, blocks: Block | Sequence[Block], seam: int
 ) -> tuple[SegmentedCache, torch.Tensor, torch.Tensor]:
     """(prefix and every block's unrepaired rest as segments, the seam positions, their ids)."""
-    blks = [blocks] if isinstance(blocks, Block) else list(blocks)
-    if not blks:
-        raise ValueError("nothing to transplant")
-    if seam < 0:
-        raise ValueError(f"seam must be >= 0, got {seam}")
-    dtype = blks[0].cache.dtype
-    bad = [b.cache.dtype for b in blks if b.cache.dtype != dtype]
-    if prefix is not None and prefix.dtype != dtype:
-        bad.append(prefix.dtype)
-    if bad:
-        raise ValueError(f"blocks and prefix must share one dtype, got {dtype} and {bad}")
-    if any(b.cache.batch != 1 for b in blks) or (prefix is not None and prefix.batch != 1):
-        raise ValueError("transplant builds batch-1 caches")
+    blks = checked_blocks(prefix, blocks, seam)
     segs = [] if prefix is None else [Segment.span(prefix.to(device=model.device), 0)]
     seam_pos, seam_ids = [], []
     at = 0 if prefix is None else prefix.seq_len

@@ -172,18 +172,15 @@ class _Assembled:
     seam_ids: Tensor  # [1, n_seam]
 
 
-def _assemble(
-    model: LoadedModel, prefix: KVCache | None, blocks: Block | Sequence[Block], seam: int, extra: int
-) -> _Assembled:
-    """Every block's keys rotated by its landing position p_j into one buffer per layer, after
-    the prefix; seam tokens included (finite until the repair replaces them); `extra` more slots."""
+def checked_blocks(prefix: KVCache | None, blocks: Block | Sequence[Block], seam: int) -> list[Block]:
+    """The blocks of a transplant as a list, refused in one line when there are none, the seam is
+    negative, the dtypes differ or a cache is not batch 1 (the rotated and the in-place paths alike)."""
     blks = [blocks] if isinstance(blocks, Block) else list(blocks)
     if not blks:
         raise ValueError("nothing to transplant")
     if seam < 0:
         raise ValueError(f"seam must be >= 0, got {seam}")
-    first = blks[0].cache
-    dtype, dev = first.dtype, model.device
+    dtype = blks[0].cache.dtype
     bad = [b.cache.dtype for b in blks if b.cache.dtype != dtype]
     if prefix is not None and prefix.dtype != dtype:
         bad.append(prefix.dtype)
@@ -191,6 +188,17 @@ def _assemble(
         raise ValueError(f"blocks and prefix must share one dtype, got {dtype} and {bad}")
     if any(b.cache.batch != 1 for b in blks) or (prefix is not None and prefix.batch != 1):
         raise ValueError("transplant builds batch-1 caches")
+    return blks
+
+
+def _assemble(
+    model: LoadedModel, prefix: KVCache | None, blocks: Block | Sequence[Block], seam: int, extra: int
+) -> _Assembled:
+    """Every block's keys rotated by its landing position p_j into one buffer per layer, after
+    the prefix; seam tokens included (finite until the repair replaces them); `extra` more slots."""
+    blks = checked_blocks(prefix, blocks, seam)
+    first = blks[0].cache
+    dtype, dev = first.dtype, model.device
     start = 0 if prefix is None else prefix.seq_len
     total = start + sum(len(b) for b in blks)
     seams, seam_ids, pos = [], [], start

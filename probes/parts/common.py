@@ -23,6 +23,17 @@ from kvnotes.models import LoadedModel
 from kvnotes.tasks.item import TaskItem
 
 
+def token_texts(model: LoadedModel, ids: Sequence[int]) -> list[str]:
+    """Each token of `ids` decoded alone ('' for every token when the model has no tokenizer)."""
+    return [model.tokenizer.decode([i]) for i in ids] if model.tokenizer is not None else [""] * len(ids)
+
+
+def pair_fields(pair: PatchPair, margin: float) -> dict[str, Any]:
+    """The columns every record of a patched pair carries: the item's, the margin, both scores."""
+    return item_fields(pair.item) | {"margin": margin, "score_stale": pair.score_stale,
+                                     "score_oracle": pair.score_oracle}
+
+
 def item_fields(item: TaskItem) -> dict[str, Any]:
     return {
         "item_id": item.item_id,

@@ -8,7 +8,6 @@ import json
 import pytest
 from tiny_runs import ONE_THREAD, hydra_ready, interrupted_run, read, selfcheck_cfg  # noqa: F401
 
-import kvnotes.compose.splice
 import runner.main as runner
 from analysis import reference
 from kvnotes.measure import provenance
@@ -18,21 +17,14 @@ from kvnotes.measure import provenance
 
 def test_a_run_with_a_dirty_attempt_is_dirty_and_refused_by_reference(tmp_path, monkeypatch):
     commit = "a" * 40
-    tree = {"dirty": True}
-    monkeypatch.setattr(provenance, "git_state",
-                        lambda repo=None: {"commit": commit, "branch": "main", "dirty": tree["dirty"]})
-    real, calls = kvnotes.compose.splice.self_check, []
 
-    def flaky(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+    def tree(dirty):
+        monkeypatch.setattr(provenance, "git_state",
+                            lambda repo=None: {"commit": commit, "branch": "main", "dirty": dirty})
 
-    monkeypatch.setattr(kvnotes.compose.splice, "self_check", flaky)
-    with pytest.raises(KeyboardInterrupt):
-        runner.run(selfcheck_cfg(tmp_path / "runs", ONE_THREAD))  # from an edited tree
-    tree["dirty"] = False  # the tree restored, the rerun resumes
+    tree(True)  # the first attempt from an edited tree, interrupted (interrupted_run undoes the patches)
+    interrupted_run(tmp_path / "runs", monkeypatch, ONE_THREAD)
+    tree(False)  # the tree restored, the rerun resumes
     path = runner.run(selfcheck_cfg(tmp_path / "runs", ONE_THREAD))
     meta = read(path / "meta.json")
     assert meta["status"] == "completed" and len(meta["attempts"]) == 2
