@@ -151,7 +151,7 @@ def summarize_segments(records: Sequence[Mapping[str, Any]], cfg: SuffixConfig) 
     seg = [r for r in records if r.get("condition") == "segment"]
     names = sorted({str(r["segment"]) for r in seg},
                    key=lambda n: np.mean([r["start_pct"] for r in seg if r["segment"] == n]))
-    items = {r["item_id"] for r in seg}
+    items = list(dict.fromkeys(r["item_id"] for r in seg))  # record order: a set's order changes with the hash seed
     out: list[dict[str, Any]] = []
     for n in names:
         rows = {r["item_id"]: r for r in seg if r["segment"] == n}

@@ -38,3 +38,25 @@ def test_summary_explains_the_prefix_curve(one_thread):
     assert names.index("session") < names.index("policy") < names.index("request") < names.index("task")
     assert s["prefix_explained"].startswith("the first 70 % of the downstream span covers")
     assert set(s["top_within_first_pct"]) == set(suffix.K_PERCENT)
+
+
+def test_segment_intervals_do_not_depend_on_the_hash_seed(tmp_path):
+    """The per-item shares are bootstrapped in record order: a set of item ids iterates in an order
+    that changes with PYTHONHASHSEED, which moved the reference CIs between two summaries."""
+    import json
+    import subprocess
+    import sys
+
+    rows = [{"condition": "segment", "item_id": f"gated/s0/{i:04d}", "segment": "task", "start_pct": 50.0,
+             "end_pct": 100.0, "n_positions": 10, "n_top": i % 5, "top_k": 8, "effect_sum": 0.1 * i}
+            for i in range(40)]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    code = ("import json, sys; from probes import suffix; rows = json.load(open(sys.argv[1]));"
+            "cfg = suffix.SuffixConfig(n_boot=500);"
+            "print(json.dumps(suffix.summarize_segments(rows, cfg)['segments'][0]['top_share']))")
+    out = set()
+    for seed in ("1", "2", "3"):
+        env = {**__import__("os").environ, "PYTHONHASHSEED": seed}
+        out.add(subprocess.run([sys.executable, "-c", code, str(tmp_path / "rows.json")], env=env,
+                               capture_output=True, text=True, check=True).stdout)
+    assert len(out) == 1, out
