@@ -110,9 +110,10 @@ def outputs_text(book: nbformat.NotebookNode) -> str:
 
 @pytest.mark.real
 def test_01_quickstart_executes(llama_weights, monkeypatch):
+    monkeypatch.setenv("KVNOTES_NB_MODEL", "llama")  # its own default is qwen-1.5b (7 GB)
     monkeypatch.setenv("KVNOTES_NB_ITEMS", "2")
     text = outputs_text(execute("01_quickstart"))
-    assert "SmolLM2" in text and "field_only" in text and "usable at the registered margin" in text
+    assert "SmolLM2" in text and "field_only" in text and "usable at the model's margin" in text
 
 
 @pytest.mark.real
@@ -143,12 +144,23 @@ def test_03_stores_an_edit_changing_the_decision_on_the_model_its_code_names():
     assert decided["erratum"].endswith("(changed)") and decided["oracle"].endswith("(changed)")
 
 
-@pytest.mark.parametrize("name", ["02_explore_results", "03_edit_and_compose"])
+def test_01_stores_its_outputs_from_the_model_its_code_names():
+    """Its stored outputs came from qwen-1.5b while its code defaulted to llama (issue #34)."""
+    book = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    source = "\n".join(c.source for c in book.cells if c.cell_type == "code")
+    assert 'os.environ.get("KVNOTES_NB_MODEL", "qwen-1.5b")' in source
+    assert book.metadata["kvnotes"]["model"] == "qwen-1.5b"
+    assert "from probes" not in source and "from runner" not in source  # library calls, not the harness
+
+
+@pytest.mark.parametrize("name", ["01_quickstart", "02_explore_results", "03_edit_and_compose"])
 def test_stored_outputs_have_no_local_paths_an_install_cell_and_images_not_reprs(name):
     book = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     text = outputs_text(book)
     assert not [p for p in ("/root/", "/home/", "/work/", "/tmp/", "site-packages") if p in text]
     assert "TqdmWarning" not in text and "<Figure size" not in text
     assert any("pip install" in c.source for c in book.cells[:3])
+    if name == "01_quickstart":  # the notes map stored as PNG, not a repr
+        assert any("image/png" in o.get("data", {}) for c in book.cells for o in c.get("outputs", []))
     if name == "02_explore_results":  # both figures stored as PNG
         assert sum("image/png" in o.get("data", {}) for c in book.cells for o in c.get("outputs", [])) >= 2
