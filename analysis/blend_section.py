@@ -25,6 +25,27 @@ def _mean(v: Any) -> float | None:
     return v.get("mean") if isinstance(v, dict) else v if isinstance(v, (int, float)) else None
 
 
+def kvboost_label(name: str, m: dict[str, Any]) -> str:
+    """A kvboost row's name with what ran: its configured label says the setting asked for, and
+    kvboost's cacheblend re-prefills every cached token (its step 1), whatever its ratio."""
+    frac = _mean(m.get("recompute_fraction"))
+    if not name.startswith("kvboost") or frac is None:
+        return name
+    ran = "every block token re-prefilled" if frac >= 0.99 else f"{frac:.0%} of block tokens recomputed"
+    return f"{name} (ran: {ran})"
+
+
+def kvboost_notes(methods: dict[str, dict[str, Any]]) -> list[str]:
+    """A line for each pair of kvboost rows that are the same run in effect (equal recompute,
+    cosine and task score), e.g. a cacheblend setting forced to a full re-prefill beside selective."""
+    kv = {n: m for n, m in methods.items() if n.startswith("kvboost")}
+    keys = ("recompute_fraction", "cosine", "task_score")
+    same = [(a, b) for i, a in enumerate(kv) for b in list(kv)[i + 1:]
+            if all(_mean(kv[a].get(k)) is not None and _mean(kv[a].get(k)) == _mean(kv[b].get(k)) for k in keys)]
+    return ["", *(f"`{a}` and `{b}` gave the same mean recompute fraction, logit cosine and task score: "
+                  "in effect the same computation, whatever their labels say." for a, b in same)] if same else []
+
+
 def blend_section(frame: pd.DataFrame) -> list[str]:
     """Markdown lines: per model and workload, the methods at a 15 % budget and seam K = 2, 8, 32,
     and the frontier per budget; [] when no blend run was read."""
@@ -47,13 +68,14 @@ def blend_section(frame: pd.DataFrame) -> list[str]:
         lines += [f"### {model_label(model)}, {wl} ({w.get('n_items')} items; run `{run_id}`)", "",
                   "| method | recompute | logit cosine | top-1 agree | decision agree | task score | TTFT ratio |",
                   "|---|---|---|---|---|---|---|"]
-        shown = [n for n in methods if n in ("full", "naive") or "15%" in n
+        shown = [n for n in methods if n in ("full", "naive") or "15%" in n or n.startswith("kvboost")
                  or n in {f"seam@{k}" for k in SEAMS_SHOWN}]
         for name in shown:
             m = methods[name]
-            lines.append(f"| {name} | {ci_cell(m.get('recompute_fraction'))} | {ci_cell(m.get('cosine'))} | "
+            lines.append(f"| {kvboost_label(name, m)} | {ci_cell(m.get('recompute_fraction'))} | {ci_cell(m.get('cosine'))} | "
                          f"{ci_cell(m.get('top1_agree'), 2)} | {ci_cell(m.get('decision_agree'), 2)} | "
                          f"{ci_cell(m.get('task_score'))} | {ci_cell(m.get('ttft_ratio'), 2)} |")
+        lines += kvboost_notes(methods)
         front = w.get("frontier") or {}
         cells = []
         for budget, best in front.items():

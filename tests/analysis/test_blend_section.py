@@ -81,3 +81,18 @@ def test_blend_runs_of_different_workloads_are_different_variants_and_records_me
     kept = newest_per_workload(rec)
     assert kept.groupby("workload")["run_id"].unique().map(list).to_dict() == {
         "memory": ["blend/llama/a"], "skills": ["blend/llama/b"]}
+
+
+def test_kvboost_rows_say_what_ran_and_identical_rows_are_named(tmp_path):
+    """Issue #31 item 8: 'kvboost cacheblend@15%' re-prefilled every block token and equalled
+    'kvboost selective@16'; the table said neither."""
+    s = _summary(0.981)
+    same = {"recompute_fraction": _m(1.0), "cosine": _m(0.999), "task_score": _m(0.5), "ttft_ratio": _m(1.1)}
+    s["workloads"]["skills"]["methods"] |= {"kvboost cacheblend@15%": same, "kvboost selective@16": dict(same)}
+    text = "\n".join(blend_section(_frame(tmp_path, [("blend/qwen-1.5b/2026-01-01", "qwen-1.5b", s)])))
+    assert "| kvboost cacheblend@15% (ran: every block token re-prefilled) | 1.000 [" in text
+    assert "| kvboost selective@16 (ran: every block token re-prefilled) |" in text
+    assert "`kvboost cacheblend@15%` and `kvboost selective@16` gave the same mean" in text
+    s["workloads"]["skills"]["methods"]["kvboost selective@16"]["cosine"] = _m(0.95)
+    text = "\n".join(blend_section(_frame(tmp_path / "b", [("blend/qwen-1.5b/2026-01-01", "qwen-1.5b", s)])))
+    assert "gave the same mean" not in text
