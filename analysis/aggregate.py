@@ -7,7 +7,10 @@ defaults that write summary.json, so a report CI and a summary CI of the same va
 NaN stays out of the mean and out of n (a skipped item is not a zero). Proportions (one 0/1
 outcome per unit: P(correct), reverted, agreement) get a Wilson interval (kvnotes.measure.metrics.wilson_ci),
 never a zero-width bootstrap one; so do accuracies that come as one cross-validated number per
-layer. The paper's reference numbers live in paper_reference.yaml, read here.
+layer. Items that share a domain (or a LoCoMo conversation) are not independent: `widen_by_cluster`
+sets beside each interval a cluster bootstrap (kvnotes.measure.metrics.cluster_bootstrap_ci, whole
+clusters resampled) and keeps the wider of the two. The paper's reference numbers live in
+paper_reference.yaml, read here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from kvnotes.measure.metrics import bootstrap_ci, wilson_ci
+from kvnotes.measure.metrics import bootstrap_ci, cluster_bootstrap_ci, wilson_ci
 from kvnotes.models.registry import get_spec
 
 UNIT = ("run_id", "item_id")  # one item of one run
@@ -82,6 +85,30 @@ def ci_table(df: pd.DataFrame, value: str, by: Sequence[str] = ("model",), unit:
         stat = proportion_or_mean_ci(g[value], n_boot) if proportion else mean_ci(g[value], n_boot)
         rows.append({**dict(zip(by, key)), **dict(zip(CI_COLUMNS, stat))})
     return pd.DataFrame(rows, columns=[*by, *CI_COLUMNS])
+
+
+def widen_by_cluster(t: pd.DataFrame, df: pd.DataFrame, value: str, unit: Sequence[str] = UNIT,
+                     cluster: str = "domain", n_boot: int = 2000) -> pd.DataFrame:
+    """`t` (a ci_table by model) with each model's interval replaced by the cluster bootstrap over
+    `cluster` (units' means resampled in whole clusters) where that one is wider; `cluster_note`
+    says which interval stands and gives the other. Fewer than two clusters keep the item one."""
+    if t.empty or cluster not in df:
+        return t
+    per_unit = unit_means(df, value, ["model", cluster], unit)
+    notes, lo, hi = [], t["lo"].astype(float).copy(), t["hi"].astype(float).copy()
+    for i, r in t.iterrows():
+        g = per_unit[per_unit["model"] == r["model"]]
+        c = cluster_bootstrap_ci(g[value].to_numpy(float), list(g[cluster].astype(str)), n_boot=n_boot)
+        if not math.isfinite(c["ci_hi"] - c["ci_lo"]):
+            notes.append("")
+            continue
+        wide = not math.isfinite(r["hi"] - r["lo"]) or c["ci_hi"] - c["ci_lo"] > r["hi"] - r["lo"]
+        other = f"[{c['ci_lo']:.3f}, {c['ci_hi']:.3f}]" if not wide else f"[{r['lo']:.3f}, {r['hi']:.3f}]"
+        if wide:
+            lo[i], hi[i] = c["ci_lo"], c["ci_hi"]
+        notes.append(f"interval: {'cluster bootstrap' if wide else 'item'} (the wider; "
+                     f"{'item' if wide else 'cluster bootstrap'} {other}, {c['n_clusters']} {cluster}s)")
+    return t.assign(lo=lo, hi=hi, cluster_note=notes)
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:
@@ -240,7 +267,8 @@ def memory_view(frame: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
             "model": lo["model"], "run_id": lo["run_id"],
             "unit": lo["conversation"].astype(str) + "/" + lo["question_index"].astype(str),
             "delta": to_float(lo["f1_transplant"]) - to_float(lo["f1_full"]),
-            "cosine": to_float(lo["cosine"]), "source": "LoCoMo QA (token F1)"}), None
+            "cosine": to_float(lo["cosine"]), "conversation": lo["conversation"].astype(str),
+            "source": "LoCoMo QA (token F1)"}), None
     syn = d[(d["kind"] == "synthetic") & (d["condition"] == "transplant_erratum") & (d["reference"] == "full_new")]
     if syn.empty:
         return syn, "memory run has neither LoCoMo nor synthetic transplant_erratum records"

@@ -25,17 +25,18 @@ from analysis.aggregate import (
     quantile_ratio_ci,
     serving_view,
     to_float,
+    widen_by_cluster,
     write_depth,
 )
 from analysis.figures.ttft_scaling import headline_seam, speedups, timing
 from analysis.load import job_params, select
 from kvnotes.measure.margins import STEPS
-from kvnotes.measure.metrics import wilson_ci
+from kvnotes.measure.metrics import flipped_back, wilson_ci
 
 Extractor = Callable[[pd.DataFrame], pd.DataFrame]
 COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
 BF16_STEP = STEPS["bfloat16"]  # one bfloat16 step of a score (logit difference): 1/16 logit
-PROPORTIONS = frozenset({"correct", "reverted", "agree", "decision_agree", "top1_agree"})
+PROPORTIONS = frozenset({"correct", "reverted", "flipped", "agree", "decision_agree", "top1_agree"})
 
 
 def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -45,7 +46,8 @@ def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
 def _finish(t: pd.DataFrame, df: pd.DataFrame, note: str = "") -> pd.DataFrame:
     """A ci_table by model plus the runs each model's number came from."""
     runs = df.groupby("model")["run_id"].agg(lambda s: ", ".join(sorted(set(map(str, s)))))
-    t = t.assign(runs=t["model"].map(runs), note=note)
+    cluster = t["cluster_note"] if "cluster_note" in t else pd.Series("", index=t.index)
+    t = t.assign(runs=t["model"].map(runs), note=["; ".join(x for x in (note, c) if x) for c in cluster])
     if "zero_eps" not in t:
         t = t.assign(zero_eps=math.nan)
     return t[t["n"] > 0][list(COLUMNS)].reset_index(drop=True)
@@ -80,9 +82,26 @@ def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[st
         if df.empty or value not in df:
             return _rows([])
         t = ci_table(df, value, ["model"], unit, proportion=value in PROPORTIONS)
+        t = widen_by_cluster(t, df, value, unit)
         if value == "recovery":
             t = t.assign(zero_eps=t["model"].map(zero_eps(df, unit)))
         return _finish(t, df, note)
+    return f
+
+
+def knockout_flips(band_name: str) -> Extractor:
+    """Share of items whose decision goes back to the old answer when the band's top keys are
+    masked (kvnotes.measure.metrics.flipped_back, the raw pairwise decision): a decision, not a
+    window of the signed reversion, which is two-peaked (probe knockout's FLIP_RULE)."""
+    inner = records("knockout", ["gated"], "flipped", condition="band", band=band_name,
+                    note="n = items whose old and new prompts decide differently (raw decision)")
+
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        k = frame[(frame["job"] == "knockout") & (frame["condition"] == "band")] if "condition" in frame else frame.iloc[:0]
+        if k.empty or not {"score", "score_stale", "score_oracle"} <= set(k.columns):
+            return _rows([])
+        cols = [to_float(k[c]).to_numpy() for c in ("score", "score_stale", "score_oracle")]
+        return inner(k.assign(flipped=flipped_back(*cols)))
     return f
 
 
@@ -257,7 +276,10 @@ def _memory(value: str) -> Extractor:
         v, why = memory_view(frame)
         if why:
             return _rows([])
-        return _finish(ci_table(v, value, ["model"], ("run_id", "unit")), v, str(v["source"].iloc[0]))
+        t = ci_table(v, value, ["model"], ("run_id", "unit"))
+        if "conversation" in v:  # LoCoMo: questions of one conversation share its memory block
+            t = widen_by_cluster(t, v, value, ("run_id", "unit"), "conversation")
+        return _finish(t, v, str(v["source"].iloc[0]))
     return f
 
 
@@ -275,8 +297,7 @@ EXTRACTORS: dict[str, Extractor] = {
     "commit_depth": records("linear", ["gated-polarity"], "rel_commit", ("run_id", "item_id", "prompt"),
                             note="n = prompts", condition="prompt"),
     "write_before_commit": write_before_commit,
-    **{f"knockout_{b}": records("knockout", ["gated"], "reverted", condition="band", band=b)
-       for b in ("early", "mid", "late", "all")},
+    **{f"knockout_{b}": knockout_flips(b) for b in ("early", "mid", "late", "all")},
     **{f"mass_{k}": records("knockout", ["gated"], f"mass_{k}", condition="mass")
        for k in ("field", "downstream", "sink")},
     "heads_top_recovery": records("knockout", ["gated"], "recovery", condition="heads",

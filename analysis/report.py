@@ -51,6 +51,17 @@ def fmt(x: Any, digits: int = 3) -> str:
     return f"{x:.{digits}f}"
 
 
+def excludes(target: dict[str, Any] | None, lo: float, hi: float) -> str:
+    """Where the paper says "about 0" or "about 1" (an approx band at 0 or 1): whether our
+    interval excludes that value, as a clause for the verdict ('' elsewhere or without a CI)."""
+    if not target or "approx" not in target or float(target["approx"]) not in (0.0, 1.0):
+        return ""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return ""
+    v = float(target["approx"])
+    return f"; our CI {'includes' if lo <= v <= hi else 'excludes'} {v:g}"
+
+
 def describe(target: dict[str, Any] | None, digits: int = 3) -> str:
     b = band(target)
     if b is None:
@@ -209,7 +220,12 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         "How to read it. Each claim of the paper (PAPER.md) is restated with the paper's number and our "
         "value per model: the mean over usable items with a 95 % confidence interval (percentile bootstrap "
         "over items, draws of one item averaged first; Wilson for proportions; n = items, or the unit named "
-        "in the note), recomputed from `records.parquet`. Each claim's band was written from the paper's "
+        "in the note), recomputed from `records.parquet`. Items that share a domain (its templates) or a LoCoMo "
+        "conversation are not independent, so beside that interval a cluster bootstrap resamples whole domains "
+        "(conversations for LoCoMo) and the verdict uses the wider of the item and cluster intervals; the note "
+        "says which one stands and gives the other. Where the paper says \"about 0\" or \"about 1\", the verdict "
+        "also says whether our interval excludes that value. Rows that equal the oracle by construction "
+        "(full-downstream) are labelled identities and not counted among the verdicts. Each claim's band was written from the paper's "
         "numbers before ours were read, with a sentence saying where it comes from; *consistent* means our "
         "CI lies inside the band, *overlaps* that it only overlaps it, *differs* that it lies wholly outside. "
         "A recovery whose CI lies within one score step of the run's dtype of zero (bfloat16: 1/16 logit; "
@@ -225,6 +241,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         lines += [f"**Warning: {len(dev)} of the runs read judged items with a margin below their model's "
                   "(development runs). Their numbers check the pipeline; they are not findings.**", ""]
     counts: dict[str, int] = {}
+    identities = 0
     body: list[str] = []
     shown: set[str] = set()
     for cid, c in claims.items():
@@ -248,9 +265,13 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         else:
             body += ["| model | ours | 95 % CI | n | paper | verdict | note |", "|---|---|---|---|---|---|---|"]
             for r in rows.itertuples():
-                v = verdict(c.get("target"), r.mean, r.lo, r.hi, r.n, r.zero_eps)
-                key = v.split(":")[0].split(" (")[0]
-                counts[key] = counts.get(key, 0) + 1
+                v = verdict(c.get("target"), r.mean, r.lo, r.hi, r.n, r.zero_eps) + excludes(c.get("target"), r.lo, r.hi)
+                if c.get("identity"):
+                    v = f"identity, not a verdict ({v.split(';')[0]}): {c['identity']}"
+                    identities += 1
+                else:
+                    key = v.split(":")[0].split(" (")[0].split(";")[0]
+                    counts[key] = counts.get(key, 0) + 1
                 note = "; ".join(x for x in (r.note, "DEVELOPMENT RUN" if set(str(r.runs).split(", ")) & dev else "") if x)
                 body.append(f"| {model_label(r.model)} | {fmt(r.mean, dg)} | [{fmt(r.lo, dg)}, {fmt(r.hi, dg)}] | "
                             f"{r.n} | {paper_cell(c.get('values') or {}, r.model, dg)} | {v} | {note} |")
@@ -266,6 +287,8 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
             body += [f"Figure `{fig}` skipped: {skipped[fig]}.", ""]
     lines += ["## Verdicts at a glance", "", "| verdict | claims x models |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())] + [""]
+    if identities:
+        lines += [f"Not counted: {identities} identity row(s) (full-downstream equals the oracle by construction).", ""]
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
     lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *heads_section(frame),
               *distance_section(frame, dist_png),

@@ -14,6 +14,8 @@ LoCoMo (`locomo_path`: the official locomo10.json, never downloaded): each conve
 memory block (cut to `locomo_max_tokens` at a turn boundary), transplanted after the system
 head; answerable questions with all evidence inside it are answered greedily from the
 transplanted and the fully recomputed cache: answer agreement, LoCoMo token F1 of both, cosine.
+The F1 delta carries, beside the question bootstrap, `ci_cluster`: the bootstrap over whole
+conversations (the questions of one conversation share its memory block).
 
     python -m experiments.run +experiment=memory model=llama device=cpu \
         experiment.locomo_path=/work/shared/data/locomo/locomo10.json
@@ -32,7 +34,7 @@ from experiments.shared.gate import GateConfig, gate_summary, run_gate
 from kvnotes.compose import splice as compose
 from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.measure.metrics import ci_dict, prop_dict
+from kvnotes.measure.metrics import ci_dict, cluster_bootstrap_ci, prop_dict
 from kvnotes.measure.timing import torch_threads
 from kvnotes.tasks import build_suite, locomo
 from kvnotes.tasks.domains import banks
@@ -190,13 +192,16 @@ def summarize(records: list[dict[str, Any]], cfg: MemoryConfig) -> dict[str, Any
             for (c, r), g in syn.groupby(["condition", "reference"], sort=False)
         }
     if len(lo):
+        delta = np.asarray(lo["f1_transplant"], float) - np.asarray(lo["f1_full"], float)
+        by_conv = cluster_bootstrap_ci(delta, list(lo["conversation"]), n_boot=cfg.n_boot)  # questions share one
         out["locomo"] = {
             "n_questions": len(lo), "n_conversations": int(lo["conversation"].nunique()),
             "memory_len_mean": float(lo["memory_len"].mean()),
             "answer_agree": prop_dict(lo["answer_agree"].astype(float)),
             "f1_full": ci_dict(lo["f1_full"], cfg.n_boot),
             "f1_transplant": ci_dict(lo["f1_transplant"], cfg.n_boot),
-            "f1_delta": ci_dict(np.asarray(lo["f1_transplant"]) - np.asarray(lo["f1_full"]), cfg.n_boot),
+            "f1_delta": ci_dict(delta, cfg.n_boot) | {"ci_cluster": {"cluster": "conversation", **{
+                k: v for k, v in by_conv.items() if k not in ("mean", "interval")}}},
             "cosine": ci_dict(lo["cosine"], cfg.n_boot),
             "top1_agree": prop_dict(lo["top1_agree"].astype(float)),
         }

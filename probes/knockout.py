@@ -8,11 +8,20 @@ token's attention (on the cached K/V, so positions after the notes keep what the
 them). Key sets: the top 25 % most-attended downstream positions, a random set matched to it in
 count and in distance from the decision token, the field, the sink; a dose-response over the
 fraction masked (most attended first, and random sets of the same size); the top set per layer
-third (decision variant). Each is summarised as a distribution (probes.parts.readouts), and
-REVERTS_RULE, fixed here before any number was looked at, says which variant reproduces the
-paper's "the decision reverts". Attention mass of the decision token is split into field /
-downstream / sink / other / self. Read heads: probes.parts.heads. Paper: thirds early 0.00, mid 0.25,
-late 0.33, all 1.00; mass field/downstream/sink 0.001/0.56/0.36; top-12 heads 0.72-0.82.
+third (decision variant). Each is summarised as a distribution (probes.parts.readouts) and as
+decisions: `flip_share`, the share of items whose decision goes back to the old answer (the
+pairwise decision score on the stale side of 0, over the items whose unmasked old and new
+prompts decide differently; calibrated against the content-free score where records carry
+`score_cf`), `flip_share_random` the same under the matched random keys, and the shares reaching
+r >= 0.5 and moving away (r < 0), each with Wilson and domain-cluster intervals. FLIP_RULE decides
+which variant reproduces the paper's "the decision reverts": flip_share's interval lies wholly
+above flip_share_random's, each the wider of its Wilson and cluster intervals. It was written
+after issue 31 had read the reference run (30/60 items reach r >= 0.5, random 0/60), to replace
+REVERTS_RULE (fixed before any number was read), which counts only 0.5 <= r <= 1.5 and so reads a
+two-peaked distribution as "not reproduced"; REVERTS_RULE is still reported. Attention mass of the
+decision token is split into field / downstream / sink / other / self. Read heads:
+probes.parts.heads. Paper: thirds early 0.00, mid 0.25, late 0.33, all 1.00; mass
+field/downstream/sink 0.001/0.56/0.36; top-12 heads 0.72-0.82.
 """
 
 from __future__ import annotations
@@ -32,10 +41,13 @@ from kvnotes.engine.variants import read_variants
 from kvnotes.measure.metrics import ci_dict, recovery
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
+from kvnotes.tasks.scoring import decision_logits
+from kvnotes.tasks.scoring import score as item_score
 from probes.parts.common import attention_to_cache, bands, item_fields, run_pairs, skip_summary
 from probes.parts.heads import RANKINGS, head_records, summarize_heads
 from probes.parts.readouts import (
     REVERTED,
+    decision_shares,
     paired_difference,
     per_item,
     proportion,
@@ -49,6 +61,12 @@ REVERTS_RULE = (
     f"(1) a median signed reversion within [{REVERTED[0]}, {REVERTED[1]}], (2) at least half of the "
     f"items reverted (reversion within [{REVERTED[0]}, {REVERTED[1]}]) and (3) a paired difference "
     "top - matched random (draws averaged per item) whose 95 % bootstrap CI lies above 0"
+)
+FLIP_RULE = (
+    "a variant reproduces 'the decision reverts' when masking the top set sends the decision back to the old "
+    "answer (raw pairwise decision, over items whose old and new prompts decide differently) in a share whose "
+    "95 % interval lies wholly above that of the matched random keys; each interval is the wider of the Wilson "
+    "interval over items and the cluster bootstrap over domains"
 )
 
 
@@ -183,6 +201,8 @@ def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margi
     att = attention_to_cache(model, pair)  # [layer, head, pos]
     base = item_fields(item) | {"margin": margin, "score_stale": pair.score_stale,
                                 "score_oracle": pair.score_oracle, "n_downstream": len(pair.downstream_positions)}
+    if item.cf_ids is not None:  # the content-free prompt's score: the offset of a calibrated decision
+        base["score_cf"] = item_score(item, decision_logits(model, item, calibrate=True)[2])
     rows: list[dict[str, Any]] = [base | {"condition": "mass", **mass_split(att, pair, cfg.n_sink)}]
     sets = key_sets(pair, att, cfg, rng, model.n_layers)
     for variant in cfg.variants:
@@ -219,6 +239,17 @@ def reproduces(top: Mapping[str, Any], diff: Mapping[str, Any]) -> bool | None:
                 and diff["ci_lo"] > 0)
 
 
+def _rows(records: Sequence[Mapping[str, Any]], variant: str, cond: str) -> list[Mapping[str, Any]]:
+    return [r for r in records if r.get("condition") == cond and r.get("variant", "decision") == variant]
+
+
+def flips_reproduce(flip: Mapping[str, Any], flip_random: Mapping[str, Any]) -> bool | None:
+    """FLIP_RULE on one variant's flip shares; None when no item could flip (or no control)."""
+    if not flip.get("n") or not flip_random.get("n"):
+        return None
+    return bool(flip["verdict_ci"][0] > flip_random["verdict_ci"][1])
+
+
 def summarize_variant(records: Sequence[Mapping[str, Any]], variant: str) -> dict[str, Any]:
     out: dict[str, Any] = {c: reversion_stats(_rev(records, variant, c).values()) for c in ("top", "field", "sink")}
     top, rand = _rev(records, variant, "top"), _rev(records, variant, "random_matched")
@@ -233,6 +264,12 @@ def summarize_variant(records: Sequence[Mapping[str, Any]], variant: str) -> dic
                     "random": reversion_stats(_rev(records, variant, "dose_random", fraction=f).values())}
                    for f in fracs]
     out["reproduces_reverts"] = reproduces(out["top"], out["top_minus_random"])
+    out["decisions"] = {c: decision_shares(_rows(records, variant, c)) for c in ("top", "random_matched")}
+    top_d, rand_d = out["decisions"]["top"], out["decisions"]["random_matched"]
+    out["flip_share"], out["flip_share_random"] = top_d["flip"], rand_d["flip"]
+    out["flip_share_calibrated"], out["flip_share_random_calibrated"] = (top_d["flip_calibrated"],
+                                                                         rand_d["flip_calibrated"])
+    out["reproduces_flip"] = flips_reproduce(top_d["flip"], rand_d["flip"])
     return out
 
 
@@ -245,12 +282,15 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: KnockoutConfig) -> dict
                                           for r in records)]
     for v in present:
         out[v] = summarize_variant(records, v)
-    out["reverts_rule"] = REVERTS_RULE
+    out["reverts_rule"] = REVERTS_RULE  # the old window rule, kept for old readers
     out["reverts_reproduced_by"] = [v for v in present if out[v]["reproduces_reverts"]]
+    out["flip_rule"] = FLIP_RULE
+    out["flip_reproduced_by"] = [v for v in present if out[v]["reproduces_flip"]]
     band = [r for r in records if r.get("condition") == "band"]
     out["bands"] = [{"band": b, "reverted": proportion(bool(r["reverted"]) for r in band if r["band"] == b),
                      **{k: v for k, v in reversion_stats(float(r["reversion"]) for r in band if r["band"] == b).items()
-                        if k in ("median", "share_overshoot", "share_away")}}
+                        if k in ("median", "share_overshoot", "share_away")},
+                     "flip_share": decision_shares([r for r in band if r["band"] == b])["flip"]}
                     for b in ("early", "mid", "late", "all") if any(r["band"] == b for r in band)]
     if any(r.get("condition") == "heads" for r in records):
         out["heads"] = summarize_heads(records, cfg.n_heads)
@@ -260,15 +300,17 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: KnockoutConfig) -> dict
 
 
 def reading(out: Mapping[str, Any], present: Sequence[str], top_fraction: float) -> str:
-    """One line: the median reversion of the top set per variant, and which reproduces the claim."""
-    def med(v: str, c: str) -> str:
-        return f"{out[v][c]['median']:.2f}"
-    parts = [f"{'decision token only' if v == 'decision' else 'every later query'} {med(v, 'top')} "
-             f"(matched random {med(v, 'random_matched')})" for v in present]
-    who = ", ".join(out["reverts_reproduced_by"]) or "neither variant"
-    return (f"top {100 * top_fraction:g} % most-attended keys masked, median signed reversion over "
-            f"{out[present[0]]['top']['n']} items: {'; '.join(parts)}; 'the decision reverts' is reproduced by "
-            f"{who} (rule: reverts_rule)")
+    """One line: the flip share of the top set per variant against its matched random keys, and
+    which variant reproduces the claim."""
+    def cell(s: Mapping[str, Any]) -> str:
+        lo, hi = s.get("verdict_ci", [math.nan, math.nan])
+        return f"{s.get('k', 0)}/{s.get('n', 0)} [{lo:.2f}, {hi:.2f}]"
+    parts = [f"{'decision token only' if v == 'decision' else 'every later query'} {cell(out[v]['flip_share'])} "
+             f"(matched random {cell(out[v]['flip_share_random'])}; median reversion {out[v]['top']['median']:.2f})"
+             for v in present]
+    who = ", ".join(out["flip_reproduced_by"]) or "neither variant"
+    return (f"top {100 * top_fraction:g} % most-attended keys masked, decisions back to the old answer: "
+            f"{'; '.join(parts)}; 'the decision reverts' is reproduced by {who} (rule: flip_rule)")
 
 
 # The job convention (runner/jobs.py): the runner finds this probe by these names.

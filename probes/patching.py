@@ -9,7 +9,9 @@ after the field). The paper finds field-only ~ 0 and full-downstream = 1: the fi
 is memoised in downstream "note" tokens. Positions before the field hold identical K/V in both
 runs, so their recovery is exactly 0 and they are not run. Dissociation: on `task=gated-trigger`
 the mutable span is a rule trigger word (the field is byte-identical), so field-only reads as
-trigger-only and notes-only as the notes.
+trigger-only and notes-only as the notes. Each condition's recovery carries, beside the item
+bootstrap, `ci_cluster`: the bootstrap over domains (whole domains resampled), since items of one
+domain share its templates.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
 from probes.parts.common import (
     by_condition,
+    cluster_ci,
     curve,
     pair_fields,
     run_pairs,
@@ -114,6 +117,10 @@ def reading(recovery: Mapping[str, Mapping[str, Any]], n_usable: int) -> str | N
 def summarize(records: Sequence[Mapping[str, Any]], cfg: PatchingConfig) -> dict[str, Any]:
     out = skip_summary(records)
     out["recovery"] = by_condition(records, CONDITIONS, n_boot=cfg.n_boot)
+    for c in CONDITIONS:  # beside the item interval: resampling whole domains (items share templates)
+        rows = [r for r in records if r.get("condition") == c]
+        if rows:
+            out["recovery"][c]["ci_cluster"] = cluster_ci(rows, n_boot=cfg.n_boot)
     text = reading(out["recovery"], out["n_usable"])
     if text:
         out["reading"] = text

@@ -10,12 +10,15 @@ import torch
 
 from kvnotes.measure.metrics import (
     bootstrap_ci,
+    cluster_bootstrap_ci,
+    flipped_back,
     kl_divergence,
     logit_cosine,
     proportion_ci,
     recovery,
     score,
     top1_agree,
+    wider,
     wilson_ci,
 )
 
@@ -217,3 +220,47 @@ def test_wilson_ci_is_scipys_binomtest_interval_and_equals_the_closed_form_on_a_
     monkeypatch.setattr(scipy.stats, "binomtest", lambda k, n: calls.append((k, n)) or real(k, n))
     wilson_ci(3, 7)
     assert calls == [(3, 7)]  # the maintained implementation, not a copy of its formula
+
+
+# --- cluster bootstrap and decision flips (#31) ---------------------------------------------------
+
+
+def test_cluster_bootstrap_wider_than_item_bootstrap_when_clusters_are_copies():
+    # 6 domains, 10 identical items each: 60 "items" but only 6 independent values
+    per_domain = [0.0, 0.1, 0.5, 0.2, 0.9, 0.3]
+    values = [v for v in per_domain for _ in range(10)]
+    clusters = [d for d in range(6) for _ in range(10)]
+    item = bootstrap_ci(values)
+    cl = cluster_bootstrap_ci(values, clusters)
+    assert cl["n"] == 60 and cl["n_clusters"] == 6 and cl["mean"] == pytest.approx(item[0])
+    assert (cl["ci_hi"] - cl["ci_lo"]) > 2 * (item[2] - item[1])
+    assert cl == cluster_bootstrap_ci(values, clusters)  # seeded: deterministic
+
+
+def test_cluster_bootstrap_pools_items_of_unequal_clusters():
+    out = cluster_bootstrap_ci([1.0, 1.0, 1.0, 0.0, float("nan")], ["a", "a", "a", "b", "b"])
+    assert out["mean"] == pytest.approx(0.75) and out["n"] == 4 and out["n_clusters"] == 2
+    assert 0.0 <= out["ci_lo"] < 0.75 < out["ci_hi"] <= 1.0
+
+
+def test_cluster_bootstrap_one_cluster_gives_nan_with_a_reason():
+    out = cluster_bootstrap_ci([0.1, 0.2, 0.3], ["a", "a", "a"])
+    assert math.isnan(out["ci_lo"]) and math.isnan(out["ci_hi"]) and "1 cluster" in out["why"]
+    with pytest.raises(ValueError, match="labels"):
+        cluster_bootstrap_ci([0.1, 0.2], ["a"])
+
+
+def test_wider_picks_the_wider_finite_interval():
+    a, b = {"ci_lo": 0.1, "ci_hi": 0.2}, {"ci_lo": 0.0, "ci_hi": 0.3}
+    assert wider(a, b) is b and wider(b, a) is b
+    assert wider(a, {"ci_lo": float("nan"), "ci_hi": float("nan")}) is a
+
+
+def test_flipped_back_reads_the_decision_side():
+    # stale -1 (old answer), oracle +2 (new answer): a score below 0 went back
+    out = flipped_back([-0.5, 0.5, 3.0, -2.0], [-1.0] * 4, [2.0] * 4)
+    assert out.tolist() == [1.0, 0.0, 0.0, 1.0]
+    # stale and oracle on the same side: nothing to go back to
+    assert math.isnan(flipped_back(-1.0, 0.5, 2.0)[0])
+    # calibrated: the threshold moves to the content-free score
+    assert flipped_back(0.5, 0.5, 4.0, offset=1.0).tolist() == [1.0]

@@ -1,7 +1,8 @@
 """Knockout by layer third, where the decision token's attention goes, and its read heads.
 
-Probe `knockout`. (a) Share of items reverted with the top 25 % of the downstream span masked in
-one third of the layers (paper early 0.00, mid 0.25, late 0.33, all 1.00). (b) Where the decision
+Probe `knockout`. (a) Share of items whose decision goes back to the old answer (raw pairwise
+decision, over items whose old and new prompts decide differently) with the top 25 % of the
+downstream span masked in one third of the layers (paper early 0.00, mid 0.25, late 0.33, all 1.00). (b) Where the decision
 token's attention goes (a share; paper field / downstream / sink 0.001 / 0.56 / 0.36). Models side
 by side in their colours in both. Then one panel per model: recovery from patching k read heads
 ranked by attention to the notes, by their own effect, or at random (paper top-12 0.72-0.82).
@@ -17,10 +18,11 @@ import numpy as np
 import pandas as pd
 
 from analysis import style
-from analysis.aggregate import ci_table, reference
+from analysis.aggregate import ci_table, reference, to_float
 from analysis.figures import Skip
-from analysis.figures.knockout_dose import TASKS, reverted_share, with_variant
+from analysis.figures.knockout_dose import TASKS, with_variant
 from analysis.load import select
+from kvnotes.measure.metrics import flipped_back
 
 NAME = "knockout_heads"
 TITLE = "Attention knockout: layer thirds, attention of the decision token, read heads"
@@ -42,13 +44,14 @@ def bands_panel(ax, df: pd.DataFrame, models: list[str], claims: dict) -> None: 
     off = _offsets(models)
     for m in models:
         d = df[(df["model"] == m) & (df["condition"] == "band") & (df["variant"] == "decision")]
-        b = reverted_share(d, ["band"]).set_index("band").reindex(BANDS).reset_index()
+        d = d.assign(flipped=flipped_back(*(to_float(d[c]).to_numpy() for c in ("score", "score_stale", "score_oracle"))))
+        b = ci_table(d, "flipped", ["band"], proportion=True).set_index("band").reindex(BANDS).reset_index()
         style.errorbars(ax, np.arange(len(BANDS)) + off[m], b, style.colour(m))
     paper = [claims[f"knockout_{x}"]["values"]["paper"] for x in BANDS]
     ax.plot(np.arange(len(BANDS)), paper, "x", color=style.PAPER, ms=8, mew=1.6)
     ax.set_xticks(range(len(BANDS)), [f"{x} layers" for x in BANDS])
     ax.set_ylim(-0.05, 1.1)
-    ax.set_ylabel("share of items reverted (95 % Wilson CI)")
+    ax.set_ylabel("share of decisions back to the old answer (Wilson)")
 
 
 def mass_panel(ax, df: pd.DataFrame, models: list[str]) -> None:  # noqa: ANN001

@@ -9,12 +9,13 @@ KL        = sum_v p_ref(v) (log p_ref(v) - log p_other(v)) with p = softmax(logi
 Aggregates carry n and a percentile bootstrap CI of the mean over the finite values
 (scipy.stats.bootstrap, seeded; rows of one item, such as random draws, averaged per item
 first); proportions (k successes of n) carry a Wilson score interval, which is never
-zero-width (30/30 gives [0.886, 1]) and keeps inside [0, 1].
+zero-width (30/30 gives [0.886, 1]) and keeps inside [0, 1]. Items that share a domain or a
+conversation are not independent: `cluster_bootstrap_ci` resamples whole clusters instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -208,6 +209,56 @@ def paired_prop_diff(a: Iterable[float | bool] | ArrayLike, b: Iterable[float | 
     lo = d - np.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
     hi = d + np.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
     return {"mean": float(d), "ci_lo": float(max(lo, -1.0)), "ci_hi": float(min(hi, 1.0)), **out}
+
+
+def cluster_bootstrap_ci(values: ArrayLike | Sequence[float], clusters: Sequence[object],
+                         n_boot: int = 2000, ci: float = 0.95, seed: int = 0) -> dict[str, Any]:
+    """Mean of the finite values with a 95 % percentile interval from resampling whole clusters
+    with replacement (seeded, deterministic): each draw takes G of the G clusters and the pooled
+    mean of their items, sum(S_g) / sum(N_g). Items of one cluster (a domain, a conversation)
+    move together, so shared templates widen the interval as they should. Fewer than two
+    clusters have no between-cluster spread: a NaN interval with the reason in `why`.
+    """
+    if not 0.0 < ci < 1.0 or n_boot < 1:
+        raise ValueError(f"ci in (0, 1) and n_boot >= 1, got ci={ci}, n_boot={n_boot}")
+    x = np.asarray(_cpu(values), dtype=np.float64).ravel()
+    labels = list(clusters)
+    if len(labels) != x.size:
+        raise ValueError(f"clusters has {len(labels)} labels for {x.size} values")
+    keep = np.isfinite(x)
+    x, labels = x[keep], [c for c, k in zip(labels, keep, strict=True) if k]
+    names = sorted(set(map(str, labels)))
+    out: dict[str, Any] = {"mean": float(x.mean()) if x.size else float("nan"), "ci_lo": float("nan"),
+                           "ci_hi": float("nan"), "n": int(x.size), "n_clusters": len(names),
+                           "interval": "cluster-bootstrap"}
+    if len(names) < 2:
+        return out | {"why": f"{len(names)} cluster: no between-cluster spread to resample"}
+    idx = np.array([names.index(str(c)) for c in labels])
+    sums, counts = np.bincount(idx, x, len(names)), np.bincount(idx, minlength=len(names)).astype(np.float64)
+    draw = np.random.default_rng(seed).integers(0, len(names), size=(n_boot, len(names)))  # [boot, G]
+    means = sums[draw].sum(1) / counts[draw].sum(1)  # [boot]: pooled mean of the drawn clusters
+    lo, hi = np.quantile(means, [(1 - ci) / 2, (1 + ci) / 2])
+    return out | {"ci_lo": float(lo), "ci_hi": float(hi)}
+
+
+def wider(a: Mapping[str, Any], b: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Of two intervals (dicts with ci_lo, ci_hi), the wider; a NaN interval never wins."""
+    def width(d: Mapping[str, Any]) -> float:
+        w = float(d.get("ci_hi", np.nan)) - float(d.get("ci_lo", np.nan))
+        return w if np.isfinite(w) else -1.0
+    return b if width(b) > width(a) else a
+
+
+def flipped_back(score: ArrayLike, score_stale: ArrayLike, score_oracle: ArrayLike,
+                 offset: ArrayLike = 0.0) -> np.ndarray:
+    """Whether each decision went back to the old answer: 1.0 when score - offset lies on the
+    stale side of 0, 0.0 when not, NaN where stale and oracle decide alike (nothing to go back to:
+    sign(stale - offset) == sign(oracle - offset)). The decision is the pairwise one of the score
+    (new-correct vs old-correct); `offset` is the content-free score for a calibrated decision."""
+    s, st, o, c = (np.asarray(_cpu(v), dtype=np.float64) for v in (score, score_stale, score_oracle, offset))
+    side_stale, side_oracle = np.sign(st - c), np.sign(o - c)
+    ok = (side_stale != side_oracle) & (side_stale != 0) & (side_oracle != 0) & np.isfinite(s)
+    return np.atleast_1d(np.where(ok, (np.sign(s - c) == side_stale).astype(np.float64), np.nan))
 
 
 def range_dict(values: Iterable[float] | ArrayLike) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from kvnotes.edit.patching import PatchPair, make_pair
 from kvnotes.engine.variants import read_variants
 from kvnotes.measure import margins
-from kvnotes.measure.metrics import ci_dict
+from kvnotes.measure.metrics import ci_dict, cluster_bootstrap_ci
 from kvnotes.models import LoadedModel
 from kvnotes.tasks.item import TaskItem
 
@@ -135,6 +135,21 @@ def by_condition(
 ) -> dict[str, Any]:
     """Mean of `key` per condition over items (an item's rows averaged first), with CI and n."""
     return {c: _per_item([r for r in records if r.get("condition") == c], key, n_boot) for c in conditions}
+
+
+def cluster_ci(rows: Sequence[Mapping[str, Any]], key: str = "recovery", cluster: str = "domain",
+               n_boot: int = 2000) -> dict[str, Any]:
+    """The cluster bootstrap interval of the mean of `key` over items (an item's rows averaged
+    first), resampling whole `cluster`s (domains: items of one domain share its templates)."""
+    acc: dict[str, list[float]] = {}
+    of: dict[str, Any] = {}
+    for r in rows:
+        acc.setdefault(str(r["item_id"]), []).append(float(r[key]))
+        of[str(r["item_id"])] = r.get(cluster)
+    ids = sorted(acc)
+    means = [sum(acc[i]) / len(acc[i]) for i in ids]
+    out = cluster_bootstrap_ci(means, [of[i] for i in ids], n_boot=n_boot)
+    return {"cluster": cluster, **{k: v for k, v in out.items() if k != "interval"}}
 
 
 def curve(records: Sequence[Mapping[str, Any]], condition: str, x: str,

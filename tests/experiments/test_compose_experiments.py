@@ -8,6 +8,7 @@ incremental agent) independently of how good a random model's transplants are.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,22 @@ def test_memory_locomo_fixture(tmp_path, model):
     summary = exp.summarize(records(ctx), ctx.params)
     assert summary["locomo"]["n_questions"] == len(rows)
     assert summary["locomo"]["answer_agree"]["mean"] == 1.0
+
+
+def test_memory_f1_delta_carries_a_conversation_cluster_interval():
+    from experiments import memory as exp
+
+    # 3 conversations, their questions alike: the conversation bootstrap is the wider interval
+    rows = [{"kind": "locomo", "conversation": c, "question_index": q, "memory_len": 80, "answer_agree": True,
+             "f1_full": 0.5, "f1_transplant": 0.5 + d + 0.01 * q, "cosine": 1.0, "top1_agree": True}
+            for c, d in (("c1", -0.3), ("c2", 0.0), ("c3", 0.2)) for q in range(6)]
+    cfg = exp.MemoryConfig(n_boot=500)
+    delta = exp.summarize(rows, cfg)["locomo"]["f1_delta"]
+    cl = delta["ci_cluster"]
+    assert cl["cluster"] == "conversation" and cl["n_clusters"] == 3 and cl["n"] == 18
+    assert cl["ci_hi"] - cl["ci_lo"] > delta["ci_hi"] - delta["ci_lo"]
+    one = exp.summarize([r | {"conversation": "c1"} for r in rows], cfg)["locomo"]["f1_delta"]["ci_cluster"]
+    assert math.isnan(one["ci_lo"]) and "1 cluster" in one["why"]
 
 
 def test_locomo_loader_reads_the_official_format():

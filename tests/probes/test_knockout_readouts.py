@@ -10,7 +10,13 @@ import pytest
 from kvnotes import tasks
 from kvnotes.models.tiny import tiny_model
 from probes import knockout
-from probes.parts.readouts import paired_difference, per_item, proportion, reversion_stats
+from probes.parts.readouts import (
+    decision_shares,
+    paired_difference,
+    per_item,
+    proportion,
+    reversion_stats,
+)
 
 
 def test_reversion_stats_separate_reverting_from_overshooting_and_moving_away():
@@ -55,6 +61,40 @@ def test_the_reverts_rule(top, diff_lo, expected):
 
 def test_the_reverts_rule_says_nothing_without_items():
     assert knockout.reproduces(reversion_stats([]), {"ci_lo": float("nan")}) is None
+
+
+def _row(item, domain, score, rev, stale=-1.0, oracle=1.0, **kw):
+    return {"item_id": item, "domain": domain, "score": score, "reversion": rev, "score_stale": stale,
+            "score_oracle": oracle, **kw}
+
+
+def test_decisions_count_flips_overshoot_and_away_as_decisions():
+    rows = [_row("a", "d1", -0.5, 0.75), _row("b", "d1", -3.0, 2.0),  # back to the old answer (b overshoots)
+            _row("c", "d2", 0.5, 0.25), _row("d", "d2", 2.0, -0.5),  # stays new; d moves away
+            _row("e", "d3", -1.0, 0.9, stale=0.5, oracle=2.0),  # raw: both prompts decide new, no flip to read
+            _row("f", "d3", 0.0, 0.6), _row("f", "d3", -2.0, 1.4)]  # two draws: averaged score -1.0, r 1.0
+    d = decision_shares(rows)
+    assert (d["flip"]["k"], d["flip"]["n"]) == (3, 5) and d["flip"]["readout"] == "raw"
+    assert (d["reached_half"]["k"], d["reached_half"]["n"]) == (4, 6)  # r >= 0.5, overshoot included
+    assert (d["away"]["k"], d["away"]["n"]) == (1, 6)
+    assert d["flip"]["ci_cluster"]["cluster"] == "domain" and d["flip"]["ci_cluster"]["n_clusters"] == 3
+    f, c = d["flip"], d["flip"]["ci_cluster"]
+    widest = max([[f["ci_lo"], f["ci_hi"]], [c["ci_lo"], c["ci_hi"]]], key=lambda x: x[1] - x[0])
+    assert d["flip"]["verdict_ci"] == widest
+    assert d["quantiles"]["0.5"] == pytest.approx(0.825) and sum(d["histogram"]["counts"]) == 6
+    assert d["flip_calibrated"]["n"] == 0 and "score_cf" in d["flip_calibrated"]["why"]
+    # with the content-free score, item e decides old under the stale prompt (0.5 - 1 < 0) and goes back
+    cal = decision_shares([r | {"score_cf": 1.0 if r["item_id"] == "e" else 0.0} for r in rows])
+    assert (cal["flip_calibrated"]["k"], cal["flip_calibrated"]["n"]) == (4, 6)
+
+
+@pytest.mark.parametrize(("flip", "rand", "expected"), [
+    ({"n": 32, "verdict_ci": [0.35, 0.70]}, {"n": 32, "verdict_ci": [0.0, 0.11]}, True),
+    ({"n": 32, "verdict_ci": [0.10, 0.40]}, {"n": 32, "verdict_ci": [0.0, 0.11]}, False),  # intervals overlap
+    ({"n": 0, "verdict_ci": [math.nan, math.nan]}, {"n": 32, "verdict_ci": [0.0, 0.11]}, None),
+])
+def test_the_flip_rule(flip, rand, expected):
+    assert knockout.flips_reproduce(flip, rand) is expected
 
 
 def test_config_errors_name_what_is_valid():
@@ -112,5 +152,18 @@ def test_head_curves_end_at_the_new_run_and_start_at_the_best_head(records):
     random_12 = next(p for p in s["heads"]["curves"]["random"] if p["n_heads"] == 12)
     assert random_12["n"] <= 2  # items, not draws
     assert s["decision"]["random_matched"]["n"] <= 2 and "top_minus_random" in s["after_notes"]
-    who = ", ".join(s["reverts_reproduced_by"]) or "neither variant"
+    who = ", ".join(s["flip_reproduced_by"]) or "neither variant"
     assert s["reading"].startswith("top 25 % most-attended keys masked") and f"reproduced by {who}" in s["reading"]
+
+
+def test_records_carry_the_content_free_score_and_the_summary_reads_flips(records):
+    _, cfg, recs = records
+    tops = [r for r in recs if r.get("condition") == "top"]
+    assert tops and all(math.isfinite(r["score_cf"]) for r in tops)  # gated items have a content-free prompt
+    s = knockout.summarize(recs, cfg)
+    for v in ("decision", "after_notes"):
+        for key in ("flip_share", "flip_share_random", "flip_share_calibrated"):
+            assert {"k", "n", "verdict_ci", "ci_cluster"} <= set(s[v][key]) or s[v][key]["n"] == 0
+        assert {"quantiles", "histogram", "reached_half", "away"} <= set(s[v]["decisions"]["top"])
+        assert s[v]["flip_share"]["readout"] == "raw" and "share_reverted" in s[v]["top"]  # old keys stay
+    assert "flip_share" in s["bands"][0] and "matched random" in s["flip_rule"]

@@ -117,3 +117,17 @@ def test_edit_summary_uses_wilson_for_p_correct_and_a_range_for_time():
     s = summarize_states(rows)["strategies"]["erratum"]
     assert s["p_correct"]["ci_lo"] == pytest.approx(0.8865, abs=1e-4) and s["p_correct"]["ci_hi"] == 1.0
     assert s["time_ratio"]["interval"] == "min-max" and s["time_ratio"]["max"] == pytest.approx(0.49)
+
+
+def test_patching_recovery_carries_a_domain_cluster_interval_beside_the_item_one():
+    # 4 domains x 5 items; items of a domain alike: the domain bootstrap is the wider interval
+    recs = [{"item_id": f"{d}/{i}", "domain": d, "condition": c, "recovery": v + 0.001 * i, "margin": 0.0}
+            for d, v in zip("abcd", (0.0, 0.05, 0.2, 0.6), strict=True) for i in range(5)
+            for c in ("field_only", "notes_only")]
+    s = locality.summarize(recs, locality.PatchingConfig(n_boot=500))
+    fo = s["recovery"]["field_only"]
+    cl = fo["ci_cluster"]
+    assert cl["cluster"] == "domain" and cl["n_clusters"] == 4 and cl["n"] == 20
+    assert cl["ci_hi"] - cl["ci_lo"] > 1.5 * (fo["ci_hi"] - fo["ci_lo"])
+    assert "ci_cluster" not in s["recovery"]["stale"]  # no rows: no interval
+    assert "ci_cluster" not in summary_table({"kind": "probe", "name": "patching", "model": "m", **s})
