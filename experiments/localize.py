@@ -6,12 +6,15 @@ Two phases over the usable items of a suite, as `heads_heldout` does for heads:
    K/V into the old run; recovery = (score - stale) / (oracle - stale)), with `bands=true` also
    per layer third (early / mid / late); each position stamped with its alignment key, its prompt
    segment, its token class and whether it lies in the most-attended quarter of the downstream
-   span (the decision token's attention on the new cache, probes.scrub's `attended` set).
+   span (the decision token's attention on the new cache: probes.parts.common.attended_positions,
+   the scrub probe's `attended` set).
 2. `sets-<item>`: the item's positions ranked by the mean effect of the *corresponding* positions
    on the *other* usable items of its group (leave one out: the item's own map never enters its
    ranking; `heldout`), then patched jointly as nested top-k sets, k = 1..k_scan one at a time
    (so the smallest k recovering `threshold` is exact up to k_scan) and doubling beyond it; beside
-   it the ranking on the item's own map (`in_sample`, an upper bound) and random sets at `ks`.
+   it the ranking on the item's own map (`in_sample`, an upper bound) and random sets at `ks`,
+   both over the same aligned positions. Positions are downstream of the field only (the field's
+   own K/V is the field-only condition of probe `patching`; upstream K/V is identical in both runs).
 
 Alignment across items. Items of one template (a gated suite) share the frame: the same segments
 in the same order (TaskItem.segments: session, policy, tools, turn_user, rule, examples, request,
@@ -28,7 +31,8 @@ word. Token class: `token_class`, aggregator (newline, punctuation, section mark
 TaskItem.aggregators, the definition the scrub probe reads) or content.
 
 Hypothesis, written before any run: the smallest held-out set recovering 0.8 is at most 16
-positions on most items (median k80 <= 16), top-8 held-out recovers within 0.15 of the in-sample
+positions on most items (more than half reach it with k <= 16; an item that never reaches 0.8
+counts as more), top-8 held-out recovers within 0.15 of the in-sample
 top-8, and the k80 set lies mostly (> 50 %) in the most-attended quarter of the downstream span and
 not mainly in aggregator tokens (aggregator share < 50 %). Refuted by: median k80 > 16 or most items
 never reaching 0.8 with held-out sets (the notes are item-specific or spread out; in-sample sets
