@@ -13,7 +13,6 @@ set of that size does by chance.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,13 @@ from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
 from kvnotes.measure.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
-from probes.parts.common import attention_to_cache, item_fields, run_pairs, skip_summary
+from probes.parts.common import (
+    attended_positions,
+    attention_to_cache,
+    item_fields,
+    run_pairs,
+    skip_summary,
+)
 from probes.parts.readouts import paired_difference, per_item
 
 NOTE_SETS = ("aggregators", "attended")
@@ -55,9 +60,7 @@ def note_set(pair: PatchPair, kind: str, att: torch.Tensor | None, top_fraction:
     if kind == "aggregators":
         return [p for p in pair.item.aggregators if down and down[0] <= p <= down[-1]]
     assert att is not None
-    n = max(1, math.ceil(top_fraction * len(down)))
-    order = torch.argsort(att.mean((0, 1))[down], descending=True, stable=True).tolist()
-    return sorted(down[i] for i in order[:n])
+    return attended_positions(pair, att, top_fraction)
 
 
 def item_records(model: LoadedModel, pair: PatchPair, cfg: ScrubConfig, margin: float) -> list[dict[str, Any]]:

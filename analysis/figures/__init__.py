@@ -33,6 +33,7 @@ FIGURES = (
     "serving",
     "distance",
     "blend",
+    "localize_notes",
 )
 
 

@@ -52,6 +52,13 @@ def recovery(
     return float(out) if out.ndim == 0 else out
 
 
+def smallest_k(ks: Sequence[int], values: Sequence[float], threshold: float) -> float:
+    """The smallest k whose value (the recovery of a set of size k) is >= threshold; NaN when
+    none is. Not a search: sets need not grow better with k, so every k is read."""
+    hits = [int(k) for k, v in zip(ks, values, strict=True) if np.isfinite(v) and v >= threshold]
+    return float(min(hits)) if hits else float("nan")
+
+
 def logit_cosine(a: Logits, b: Logits) -> Float[Tensor, "*batch"]:
     """Cosine similarity of two logit vectors over the full vocabulary, computed in fp32."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)

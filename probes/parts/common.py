@@ -10,6 +10,7 @@ probes use: layer bands, the prompt segment of a position, the decision token's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -171,6 +172,15 @@ def bands(n_layers: int) -> dict[str, list[int]]:
 
 def segment_of(item: TaskItem, pos: int) -> str:
     return next((name for name, (a, b) in item.segments.items() if a <= pos < b), "other")
+
+
+def attended_positions(pair: PatchPair, att: torch.Tensor, top_fraction: float = 0.25) -> list[int]:
+    """The `top_fraction` of the downstream span the decision token attends to most (attention
+    `att` [layer, head, pos] averaged over layers and heads; at least one position), sorted."""
+    down = pair.downstream_positions
+    n = max(1, math.ceil(top_fraction * len(down)))
+    order = torch.argsort(att.mean((0, 1))[down], descending=True, stable=True).tolist()
+    return sorted(down[i] for i in order[:n])
 
 
 def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:

@@ -239,6 +239,23 @@ def distance_records() -> list[dict]:
             for i in range(N_ITEMS) for d in (32, 64, 128, 256, 512, 1024)]
 
 
+def localize_records() -> list[dict]:
+    """Per item: its tokens and segments, and nested held-out sets (each row names what its k adds)."""
+    segs = ["head"] * 5 + ["field"] * 2 + ["session"] * 8 + ["rule"] * 10 + ["request"] * 8 + ["task"] * 5 + ["answer_prefix"] * 2
+    rows = []
+    for i in range(N_ITEMS):
+        b = item_base(i)
+        toks = [f"w{p}" if p % 4 else "\n" for p in range(40)]
+        rows.append({**b, "condition": "tokens", "tokens": toks, "segments": segs, "n_cached": 39})
+        ranked = list(range(38, 6, -1))
+        for k in range(1, len(ranked) + 1):
+            rows.append({**b, "condition": "set", "ranking": "heldout", "band": "all", "draw": 0, "k": k,
+                         "recovery": min(1.0, k / (4 + i)), "added": [ranked[k - 1]],
+                         "added_segments": [segs[ranked[k - 1]]], "added_classes": ["content"],
+                         "added_attended": [True], "n_ranked": len(ranked), "n_unaligned": 0})
+    return rows
+
+
 def blend_records() -> list[dict]:
     methods = [("full", "full", 1.0, 1.0), ("naive", "naive", 0.0, 0.0)]
     methods += [("seam", f"seam@{k}", k, k / 100) for k in (2, 8, 32)]
@@ -259,6 +276,7 @@ JOBS = {
     "memory": ("experiment", "gated", memory_records),
     "distance": ("experiment", "gated", distance_records),
     "blend": ("experiment", "gated", blend_records),
+    "localize": ("experiment", "gated", localize_records),
 }
 
 

@@ -89,3 +89,18 @@ def test_edit_frontier_has_eight_distinct_legend_colours_and_clips_the_wide_bars
         assert -1.2 <= lo and hi <= 2.2
     off = [t.get_text() for ax in recovery for t in ax.texts if t.get_text().startswith(("erratum:", "field_erratum:"))]
     assert len(off) >= 2  # the means beyond the axis are written beside their edge markers
+
+
+def test_localize_figure_reads_the_smallest_held_out_set_from_nested_rows():
+    import numpy as np
+    import pandas as pd
+
+    from analysis.figures.localize_notes import FALLBACK_K, held_set, layout
+
+    rows = pd.DataFrame({"k": [3, 1, 2, 4], "recovery": [0.9, 0.2, 0.5, 0.95],
+                         "added": [[30], [10], [20], [40]]})
+    assert held_set(rows, 0.8) == (3.0, [10, 20, 30])  # rows sorted by k; the set nests
+    k, top = held_set(rows, 0.99)
+    assert np.isnan(k) and top == [10, 20, 30, 40][:FALLBACK_K]
+    cells = layout(["ab", "\n", "cd"], width=3)
+    assert cells == [(0, 0, "ab"), (0, 2, "\u21b5"), (1, 0, "cd")]  # a newline ends its line
