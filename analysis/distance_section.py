@@ -1,5 +1,5 @@
-"""The report's distance section (beyond the paper): where notes take over from reading the field
-directly, per model, read from each distance run's summary.json (`+experiment=distance`; the CIs
+"""The report's distance section (beyond the paper): with the field after the rule and only filler
+after it, field-only and notes-only recovery by field-to-decision distance, per model, read from each distance run's summary.json (`+experiment=distance`; the CIs
 its job computed from records.parquet; analysis/figures/distance.py draws the same runs).
 
 The reading rule was fixed before any distance run was read: at a distance d, the notes are ahead
@@ -7,6 +7,10 @@ when the paired difference notes-only minus field-only recovery over usable item
 above 0, with at least MIN_USABLE usable items (fewer: undetermined, left out of the rule). The
 takeover distance is the smallest d from which the notes are ahead at d and at every larger
 determined distance.
+
+The layout differs from `gated` in two things at once (the field follows the rule; only filler
+follows the field), so the sweep says how recovery depends on distance in this layout, not where
+notes take over in general: experiments/order.py crosses order, content and distance.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
 from analysis.load import newest_summaries
 
+TITLE = "Field after the rule, filler downstream: recovery by distance"
 MIN_USABLE = 6  # half of the 12 items per distance of the reference runs
 
 
@@ -60,9 +65,13 @@ def distance_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
     runs = newest_summaries(frame, "distance")
     if not runs:
         return []
-    lines = ["## Distance: where notes take over from the field (beyond the paper)", "",
+    lines = [f"## {TITLE} (beyond the paper)", "",
              "Each item rendered with the field at several distances (tokens from the field's last token "
-             "to the decision), same draws and total length (`+experiment=distance`). Recoveries over usable "
+             "to the decision), same draws and total length (`+experiment=distance`). In this layout the "
+             "field follows the rule, demonstrations and request, and only neutral filler follows the field; "
+             "`gated` differs in both (field before the rule, task content after it), so the sweep varies "
+             "distance within one layout and does not say which of order and content decides "
+             "(`+experiment=order` crosses the three). Recoveries over usable "
              "items with 95 % bootstrap CIs; usable share with a Wilson CI; |delta| = |score_new - score_old| "
              "over all items. The rule, fixed before any distance run was read: the notes are *ahead* at a "
              "distance when notes-only minus field-only recovery has its CI above 0 with at least "

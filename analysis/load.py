@@ -28,7 +28,7 @@ KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the sa
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
 NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent", "blend"})  # ignore cfg.task
 MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks",
-                         "distance"})
+                         "distance", "order"})
 
 
 def find_runs(results: str | Path) -> list[Path]:

@@ -14,6 +14,11 @@ the field itself (field-only high); far from it, the paper's account says the co
 memoised in downstream notes (field-only ~ 0, notes-only ~ 1). The summary gives per distance
 n, usable share (Wilson interval), mean |delta| and both recoveries (bootstrap CIs over items).
 
+A confound: against `gated`, this layout changes two things besides the distance. The field
+follows the rule (in `gated` it precedes it) and only neutral filler follows the field (in
+`gated` the rule, demonstrations and request do). Field-only ~0.85 here against ~0.03 in `gated`
+at similar lengths can come from either; experiments/order.py crosses order x content x distance.
+
     python -m experiments.run +experiment=distance model=llama task=gated task.n_items=12
 """
 

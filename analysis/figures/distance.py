@@ -1,4 +1,4 @@
-"""Field-to-decision distance: where do notes take over from reading the field directly?
+"""Field after the rule, filler downstream: recovery by field-to-decision distance.
 
 Experiment `distance`, one line per model against the distance d (tokens from the last field
 token to the decision token, log scale): mean |score_new - score_old| over all items, the share
@@ -21,7 +21,7 @@ from analysis.load import select
 from kvnotes.measure.metrics import wilson_ci
 
 NAME = "distance"
-TITLE = "Field-to-decision distance: |delta score|, usable share, field-only and notes-only recovery"
+TITLE = "Field after the rule, filler downstream, by distance: |delta score|, usable share, field-only and notes-only recovery"
 NEEDS = "experiment distance (task gated, else gated-fresh)"
 TASKS = ["gated", "gated-fresh"]
 RECOVERIES = (("field_only", "field-only recovery"), ("notes_only", "notes-only recovery"))

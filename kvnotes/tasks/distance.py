@@ -36,7 +36,7 @@ LAYOUT = "distance"
 SLACK = 4  # a target at most this many tokens below the closing is met by the closing alone
 
 
-def _session(d: Draw) -> list[Piece]:
+def session_field_last(d: Draw) -> list[Piece]:
     """The session block with the gating field as its last line (controls stay constant)."""
     dom = d.domain
     f = banks()["frame"]
@@ -50,7 +50,7 @@ def _session(d: Draw) -> list[Piece]:
                   Piece("\n", "session")]
 
 
-def _after_header() -> str:
+def after_header() -> str:
     return "\n" + banks()["frame"]["policy_header"] + "\n"
 
 
@@ -65,9 +65,9 @@ def distance_pieces(suite: Suite, d: Draw, fr: Frame, before: Sequence[str],
     user = rule_pieces(d, "field", f["rule_header"]) + [Piece("\n", "rule")]
     user += example_pieces(d)
     user.append(Piece(f["request"].format(request=d.domain.requests[d.request]) + "\n", "request"))
-    user += _session(d)
+    user += session_field_last(d)
     if after:
-        user.append(Piece(_after_header(), "policy_after"))
+        user.append(Piece(after_header(), "policy_after"))
         user += [Piece(line, "policy_after") for line in after]
     design = suite.design
     task = f["task_field"].format(field=d.domain.field) if design.point_to_field else f["task"]
@@ -102,7 +102,7 @@ def _after_lines(tok: Any, suite: Suite, d: Draw, fr: Frame, lines: Any, distanc
     if distance < closing - SLACK:
         raise ValueError(f"distance {distance} is below the {closing} tokens that follow the field "
                          f"with no filler (item {d.domain.name}, this tokenizer); use >= {closing - SLACK}")
-    budget = distance - closing - len(encode(tok, _after_header()))
+    budget = distance - closing - len(encode(tok, after_header()))
     return filler.fit(tok, lines, budget) if budget > 0 else []
 
 

@@ -55,3 +55,13 @@ def test_the_section_orders_models_by_size_and_shows_each_table(tmp_path):
     assert "| 32 | 12 / 12 | 1.00 [0.50, 1.00] | 0.500 [0.400, 0.600] | 0.200 [0.100, 0.300] |" in text
     assert "![distance](figures/distance.png)" in text and "By model size (smallest first)" in text
     assert distance_section(pd.DataFrame([{"job": "patching", "run_id": "x", "model": "llama", "run_path": "."}])) == []
+
+
+def test_the_section_is_titled_by_what_the_sweep_varied(tmp_path):
+    d = tmp_path / "distance/llama/2026-01-01"
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"n_items": 12, "margin": 0.03, "per_distance": _per(_row(32, 0.1))}))
+    text = "\n".join(distance_section(pd.DataFrame([{"job": "distance", "run_id": "r", "model": "llama",
+                                                               "run_path": str(d)}])))
+    assert text.startswith("## Field after the rule, filler downstream: recovery by distance")
+    assert "where notes take over" not in text and "`+experiment=order`" in text
