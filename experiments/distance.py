@@ -30,12 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from experiments.shared.layouts import check_patch_settings, layout_items
 from kvnotes.edit.patching import make_pair, patched_scores, recoveries
 from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import ci_dict, wilson_ci
 from kvnotes.measure.timing import check_fits
-from kvnotes.models import budget
-from kvnotes.tasks.distance import build_distance_suite
+from kvnotes.tasks.distance import build_distance_suite, pair_id
 from kvnotes.tasks.item import TaskItem
 
 if TYPE_CHECKING:
@@ -68,15 +68,7 @@ class DistanceConfig:
             raise ConfigError(f"distances up to {MAX_DISTANCE} tokens (the filler bank's tested range), got {max(ds)}")
         if self.length is not None and self.length < 1:
             raise ConfigError(f"length must be >= 1 or null, got {self.length}")
-        if self.margin is not None and not self.margin >= 0:
-            raise ConfigError(f"margin must be >= 0 or null, got {self.margin}")
-        if (self.batch_size is not None and self.batch_size < 1) or self.n_boot < 1:
-            raise ConfigError("batch_size and n_boot must be >= 1")
-
-
-def pair_id(item: TaskItem) -> str:
-    """The item across distances: suite, seed, index and domain (item_id adds L and D)."""
-    return f"{item.suite}/s{item.seed}/{int(item.meta['index']):04d}/{item.domain}"
+        check_patch_settings(self.margin, self.batch_size, self.n_boot)
 
 
 def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) -> dict[str, Any]:
@@ -137,26 +129,9 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: DistanceConfig) -> dict
 def build_items(ctx: Context) -> list[TaskItem]:
     """Every (item, distance) of the task suite for this model's tokenizer; bad distances or
     lengths fail here, before any forward pass, in one line."""
-
-    task = ctx.cfg.task
-    if task is None:
-        raise ConfigError("experiment distance needs a gated task suite: add task=<suite>")
-    kw = task.build_kwargs()  # a GatedTask (runner.task_config), validated
-    kw.pop("length")  # every distance splits the filler its own way: params.length rules
-    if kw["seed"] is None:  # the run's seed draws the suite unless the task pins one
-        kw["seed"] = ctx.cfg.seed
     params: DistanceConfig = ctx.params
-    try:
-        items = build_distance_suite(tokenizer=ctx.model.tokenizer, chat=ctx.chat,
-                                     distances=params.distances, length=params.length, **kw)
-    except ValueError as e:
-        raise ConfigError(f"experiment distance: {e}") from None
-    longest = max(it.n_tokens for it in items)
-    shape = budget.model_shape(ctx.cfg.model.name, ctx.cfg.model.tiny_family, ctx.cfg.cache_dir)
-    if shape is not None and shape.max_positions is not None and longest > shape.max_positions:
-        raise ConfigError(f"experiment distance: prompts of {longest} tokens exceed the {shape.max_positions} "
-                          f"positions of model {ctx.cfg.model.name} ({shape.source}); use smaller distances")
-    return items
+    return layout_items(ctx, "distance", build_distance_suite, "smaller distances",
+                        distances=params.distances, length=params.length)
 
 
 def run(ctx: Context) -> None:

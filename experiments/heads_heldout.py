@@ -33,8 +33,8 @@ import numpy as np
 from kvnotes.edit.patching import PatchPair, make_pair
 from probes.parts.common import (
     attention_to_cache,
-    item_fields,
     margin_rule,
+    pair_fields,
     resolve_margin,
     skip_reason,
     skip_summary,
@@ -105,8 +105,7 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: HeadsHeldoutConfig) -> 
 
 def _base(pair: PatchPair, margin: float, rule: str) -> dict[str, Any]:
     """The fields every record of one usable item carries."""
-    return item_fields(pair.item) | {"margin": margin, "margin_rule": rule, "score_stale": pair.score_stale,
-                                     "score_oracle": pair.score_oracle}
+    return pair_fields(pair, margin) | {"margin_rule": rule}
 
 
 def run(ctx: Context) -> None:

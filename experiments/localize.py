@@ -60,8 +60,8 @@ from probes.parts.common import (
     attended_positions,
     attention_to_cache,
     bands,
-    item_fields,
     margin_rule,
+    pair_fields,
     resolve_margin,
     skip_reason,
     skip_summary,
@@ -201,8 +201,8 @@ def scan_ks(k_scan: int, n: int) -> list[int]:
 # --- the two phases ------------------------------------------------------------------------------
 
 def _base(pair: PatchPair, margin: float, rule: str) -> dict[str, Any]:
-    return item_fields(pair.item) | {"margin": margin, "margin_rule": rule, "score_stale": pair.score_stale,
-                                     "score_oracle": pair.score_oracle}
+    """The fields every record of one usable item carries."""
+    return pair_fields(pair, margin) | {"margin_rule": rule}
 
 
 def band_layers(n_layers: int, with_bands: bool) -> dict[str, list[int]]:

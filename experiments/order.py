@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from experiments.shared.layouts import check_patch_settings, layout_items
 from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
 from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import ci_dict, prop_dict
 from kvnotes.measure.timing import check_fits
-from kvnotes.models import budget
+from kvnotes.tasks.distance import pair_id
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.order import (
     CONTENTS,
@@ -95,15 +96,7 @@ class OrderConfig:
             raise ConfigError(f"n_items must be >= 1 or null (task.n_items), got {self.n_items}")
         if self.content_at not in PLACES:
             raise ConfigError(f"content_at must be one of {PLACES}, got {self.content_at!r}")
-        if self.margin is not None and not self.margin >= 0:
-            raise ConfigError(f"margin must be >= 0 or null, got {self.margin}")
-        if (self.batch_size is not None and self.batch_size < 1) or self.n_boot < 1:
-            raise ConfigError("batch_size and n_boot must be >= 1")
-
-
-def pair_id(item: TaskItem) -> str:
-    """The item across cells: suite, seed, index and domain."""
-    return f"{item.suite}/s{item.seed}/{int(item.meta['index']):04d}/{item.domain}"
+        check_patch_settings(self.margin, self.batch_size, self.n_boot)
 
 
 def cell_fields(item: TaskItem) -> dict[str, Any]:
@@ -210,28 +203,11 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: OrderConfig) -> dict[st
 def build_items(ctx: Context) -> list[TaskItem]:
     """Every (item, cell) of the task suite for this model's tokenizer; bad stretches or suites
     fail here, before any forward pass, in one line."""
-    task = ctx.cfg.task
-    if task is None:
-        raise ConfigError("experiment order needs a gated task suite: add task=<suite>")
     params: OrderConfig = ctx.params
-    kw = task.build_kwargs()  # a GatedTask (runner.task_config), validated
-    kw.pop("length")  # every cell has its own length
-    if params.n_items is not None:
-        kw["n_items"] = params.n_items
-    if kw["seed"] is None:  # the run's seed draws the suite unless the task pins one
-        kw["seed"] = ctx.cfg.seed
-    try:
-        items = build_order_suite(tokenizer=ctx.model.tokenizer, chat=ctx.chat, stretches=params.stretches,
-                                  place=params.content_at, equal_length=params.equal_length, **kw)
-    except ValueError as e:
-        raise ConfigError(f"experiment order: {e}") from None
-    longest = max(it.n_tokens for it in items)
-    shape = budget.model_shape(ctx.cfg.model.name, ctx.cfg.model.tiny_family, ctx.cfg.cache_dir)
-    if shape is not None and shape.max_positions is not None and longest > shape.max_positions:
-        raise ConfigError(f"experiment order: prompts of {longest} tokens exceed the {shape.max_positions} "
-                          f"positions of model {ctx.cfg.model.name} ({shape.source}); use smaller stretches "
-                          f"(at most {MAX_STRETCH})")
-    return items
+    size = {} if params.n_items is None else {"n_items": params.n_items}
+    return layout_items(ctx, "order", build_order_suite, f"smaller stretches (at most {MAX_STRETCH})",
+                        stretches=params.stretches, place=params.content_at, equal_length=params.equal_length,
+                        **size)
 
 
 def run(ctx: Context) -> None:

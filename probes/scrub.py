@@ -27,7 +27,7 @@ from kvnotes.tasks.item import TaskItem
 from probes.parts.common import (
     attended_positions,
     attention_to_cache,
-    item_fields,
+    pair_fields,
     run_pairs,
     skip_summary,
 )
@@ -66,8 +66,7 @@ def note_set(pair: PatchPair, kind: str, att: torch.Tensor | None, top_fraction:
 def item_records(model: LoadedModel, pair: PatchPair, cfg: ScrubConfig, margin: float) -> list[dict[str, Any]]:
     rng = random.Random(f"{cfg.seed}/{pair.item.item_id}")
     att = attention_to_cache(model, pair) if "attended" in cfg.notes else None  # [layer, head, pos]
-    base = item_fields(pair.item) | {"margin": margin, "score_stale": pair.score_stale,
-                                     "score_oracle": pair.score_oracle}
+    base = pair_fields(pair, margin)
     rows: list[dict[str, Any]] = []
     states: list[list[int]] = []
     for kind in cfg.notes:

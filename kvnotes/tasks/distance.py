@@ -21,7 +21,7 @@ request, demonstrations) and its total length at every distance; only the field 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,15 +85,32 @@ def _n_after_field(tok: Any, pieces: list[Piece]) -> tuple[int, int]:
     return len(a.old_ids), len(a.old_ids) - a.span[1]
 
 
-def _draw(suite: Suite, index: int, seed: int) -> Draw:
+def layout_draw(suite: Suite, index: int, seed: int, layout: str) -> Draw:
+    """The gated draw of one item of a layout suite (distance, order): only a field suite has the
+    single field line these layouts move."""
     if suite.kind != "gated" or suite.variant != "field":
-        raise ValueError(f"distance items need a gated suite of variant field; {suite.name!r} is "
+        raise ValueError(f"{layout} items need a gated suite of variant field; {suite.name!r} is "
                          f"{suite.kind}/{suite.variant}")
     return draw(suite, index, seed)
 
 
-def _stream(suite: Suite, d: Draw, index: int, seed: int) -> Any:
-    return filler.filler_stream(random.Random(f"{suite.name}:{seed}:{index}:distance"), d.domain.fillers)
+def layout_stream(suite: Suite, d: Draw, index: int, seed: int, layout: str) -> Iterator[str]:
+    """One item's filler stream, seeded by suite, seed, index and layout name."""
+    return filler.filler_stream(random.Random(f"{suite.name}:{seed}:{index}:{layout}"), d.domain.fillers)
+
+
+def pair_id(item: TaskItem) -> str:
+    """An item across the cells of a layout suite (its distances, its order cells): suite, seed,
+    index and domain (item_id adds the cell)."""
+    return f"{item.suite}/s{item.seed}/{int(item.meta['index']):04d}/{item.domain}"
+
+
+def _draw(suite: Suite, index: int, seed: int) -> Draw:
+    return layout_draw(suite, index, seed, "distance")
+
+
+def _stream(suite: Suite, d: Draw, index: int, seed: int) -> Iterator[str]:
+    return layout_stream(suite, d, index, seed, "distance")
 
 
 def _after_lines(tok: Any, suite: Suite, d: Draw, fr: Frame, lines: Any, distance: int) -> list[str]:

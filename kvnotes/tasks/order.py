@@ -23,16 +23,15 @@ filler cells); `equal_length` pads all cells of an item to its longest.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvnotes.tasks import filler
-from kvnotes.tasks.distance import session_field_last
+from kvnotes.tasks.distance import layout_draw, layout_stream, session_field_last
 from kvnotes.tasks.domains import banks
-from kvnotes.tasks.gated import Draw, draw, example_pieces, outcome_for, rule_pieces
+from kvnotes.tasks.gated import Draw, example_pieces, outcome_for, rule_pieces
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.templates import Suite, configured_suite
 from kvnotes.tasks.tokens import Assembled, Frame, Piece, assemble, encode, frame, rendered_fields
@@ -130,15 +129,12 @@ def stretch_of(a: Assembled) -> int:
 
 
 def _draw(suite: Suite, index: int, seed: int) -> Draw:
-    if suite.kind != "gated" or suite.variant != "field":
-        raise ValueError(f"order items need a gated suite of variant field; {suite.name!r} is "
-                         f"{suite.kind}/{suite.variant}")
-    return draw(suite, index, seed)
+    return layout_draw(suite, index, seed, "order")
 
 
 def _stream(suite: Suite, d: Draw, index: int, seed: int) -> Iterator[str]:
     """One filler stream per item: every cell takes its stretch lines from its start."""
-    return filler.filler_stream(random.Random(f"{suite.name}:{seed}:{index}:order"), d.domain.fillers)
+    return layout_stream(suite, d, index, seed, "order")
 
 
 def _render(suite: Suite, tok: Any, fr: Frame, d: Draw, index: int, seed: int, cell: Cell, place: str,
