@@ -43,7 +43,7 @@ import numpy as np
 from experiments.shared.layouts import check_patch_settings, layout_items
 from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
 from kvnotes.errors import ConfigError
-from kvnotes.measure.metrics import ci_dict, prop_dict
+from kvnotes.measure.metrics import ci_dict, cluster_bootstrap_ci, prop_dict, wider
 from kvnotes.measure.timing import check_fits
 from kvnotes.tasks.distance import pair_id
 from kvnotes.tasks.item import TaskItem
@@ -68,9 +68,10 @@ MIN_USABLE = 12  # half of the >= 24 usable items per cell the reference run aim
 PREDICTED = {"field_before_rule/task": "notes", "field_before_rule/filler": "notes",
              "field_after_rule/filler": "field", "field_after_rule/task": "notes"}  # H1, before any run
 OPPOSITE = {"field": "notes", "notes": "field"}
-INTERVALS = ("95 % percentile bootstrap over items (means) and Wilson (usable share); items share "
-             "domains, and no cluster bootstrap over domains is in kvnotes.measure.metrics on this "
-             "branch: the item intervals are narrower than a domain-cluster one would be")
+INTERVALS = ("95 % percentile bootstrap over items (means) and Wilson (usable share); beside each "
+             "recovery and the notes-minus-field difference a cluster bootstrap over domains "
+             "(`ci_cluster`: items of one domain share its templates), and the carrier is read from "
+             "the wider of the two intervals")
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
@@ -125,8 +126,10 @@ def measure(model: LoadedModel, item: TaskItem, margin: float | None, batch_size
 
 
 def carrier(notes_minus_field: Mapping[str, Any], n_usable: int) -> str:
-    """field | notes | neither (CI spans 0) | undetermined (fewer than MIN_USABLE usable items)."""
-    lo, hi = float(notes_minus_field.get("ci_lo", math.nan)), float(notes_minus_field.get("ci_hi", math.nan))
+    """field | notes | neither (CI spans 0) | undetermined (fewer than MIN_USABLE usable items),
+    from the wider of the item interval and the domain-cluster one (`ci_cluster`) when present."""
+    d = wider(notes_minus_field, notes_minus_field.get("ci_cluster") or {})
+    lo, hi = float(d.get("ci_lo", math.nan)), float(d.get("ci_hi", math.nan))
     if n_usable < MIN_USABLE or not (math.isfinite(lo) and math.isfinite(hi)):
         return "undetermined"
     return "notes" if lo > 0 else "field" if hi < 0 else "neither"
@@ -147,13 +150,25 @@ def _cell(sel: Sequence[Mapping[str, Any]], n_boot: int, units: bool = False) ->
     def ci(rows: Sequence[Mapping[str, Any]], f: Any) -> dict[str, Any]:
         return ci_dict([float(f(r)) for r in rows], n_boot, units=[r["pair_id"] for r in rows] if units else None)
 
+    def clustered(rows: Sequence[Mapping[str, Any]], f: Any) -> dict[str, Any]:
+        """ci() with a domain-cluster interval beside it (an item's rows averaged first when pooled)."""
+        per: dict[str, list[float]] = {}
+        domain: dict[str, str] = {}
+        for r in rows:
+            key = str(r["pair_id"])  # one row per item in a cell; an item's rows when pooled
+            per.setdefault(key, []).append(float(f(r)))
+            domain[key] = str(r["domain"])
+        keys = sorted(per)
+        vals = [float(np.mean(per[k])) for k in keys]
+        return ci(rows, f) | {"ci_cluster": cluster_bootstrap_ci(vals, [domain[k] for k in keys], n_boot)}
+
     out: dict[str, Any] = {
         "n": len(sel), "n_usable": len(use), "n_domains": len({r["domain"] for r in sel}),
         # per cell one 0/1 outcome per item (Wilson); pooled over stretches, an item's share (bootstrap)
         "usable_share": ci(sel, lambda r: bool(r["usable"])) if units else prop_dict([bool(r["usable"]) for r in sel]),
         "abs_delta": ci(sel, lambda r: r["abs_delta"]) | {"distribution": _distribution([r["abs_delta"] for r in sel])},
-        **{c: ci(use, lambda r, c=c: r[c]) for c in CONDITIONS},
-        "notes_minus_field": ci(use, lambda r: r["notes_only"] - r["field_only"]),
+        **{c: clustered(use, lambda r, c=c: r[c]) for c in CONDITIONS},
+        "notes_minus_field": clustered(use, lambda r: r["notes_only"] - r["field_only"]),
     }
     for c in ("field_only", "notes_only"):
         out[c]["distribution"] = _distribution([r[c] for r in use])

@@ -120,3 +120,16 @@ def test_summary_carriers_and_verdicts():
     assert s["per_order_content"]["field_after_rule/filler"]["usable_share"]["n"] == 15  # items, not rows
     few = order.summarize(rows[:8], order.OrderConfig(n_boot=50, stretches=[64, 256]))
     assert few["per_cell"]["field_after_rule/filler/64"]["carrier"] == "undetermined"
+
+
+def test_the_carrier_reads_the_wider_of_the_item_and_domain_intervals():
+    """20 items of one domain favour the notes, 4 of another the field: over items the difference
+    excludes 0, resampling the two domains it does not, and the carrier says neither."""
+    rows = [_row(i, "field_before_rule", "task", 64, 0.3, 0.6 + 0.01 * (i % 3)) | {"domain": "a"} for i in range(20)]
+    rows += [_row(i, "field_before_rule", "task", 64, 0.7, 0.2 + 0.01 * (i % 2)) | {"domain": "b"} for i in range(20, 24)]
+    cell = order.summarize(rows, order.OrderConfig(n_boot=400, stretches=[64]))["per_cell"]["field_before_rule/task/64"]
+    d = cell["notes_minus_field"]
+    assert d["ci_lo"] > 0 and d["ci_cluster"]["n_clusters"] == 2 and d["ci_cluster"]["ci_lo"] < 0
+    assert d["ci_cluster"]["mean"] == pytest.approx(d["mean"])
+    assert cell["carrier"] == "neither"
+    assert "cluster bootstrap over domains" in order.summarize(rows, order.OrderConfig(n_boot=50, stretches=[64]))["intervals"]
