@@ -26,7 +26,9 @@ from runner.main import build_summary
 from runner.rundir import now_iso, read_json, summary_table, write_json
 
 
-def resummarize(run_dir: Path) -> dict[str, Any]:
+def resummarize(run_dir: Path, git: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rewrite one run's summary.json; `git`: the code's state, taken once before a batch writes
+    anything (else the first rewritten summary would make the tree dirty for the rest)."""
     run_dir = Path(run_dir)
     for f in ("config.yaml", "records.parquet"):
         if not (run_dir / f).is_file():
@@ -38,7 +40,7 @@ def resummarize(run_dir: Path) -> dict[str, Any]:
     job = validate(cfg)
     old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
-    git = git_state()  # the code that summarised again (the records keep the run's own commit)
+    git = git or git_state()  # the code that summarised again (the records keep the run's own commit)
     summary |= {"finished": old.get("finished"), "resummarized": now_iso(),
                 "resummarized_commit": git["commit"], "resummarized_dirty": git["dirty"]}
     write_json(run_dir / "summary.json", summary)
@@ -49,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path)
     a = p.parse_args(argv)
+    git = git_state()  # before the first summary.json is rewritten
     for run in a.runs:
         try:
-            print(summary_table(resummarize(run)))
+            print(summary_table(resummarize(run, git)))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

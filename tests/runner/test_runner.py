@@ -349,6 +349,22 @@ def test_resummarize_rebuilds_the_summary_from_records(tmp_path):
     assert summarize.main([str(tmp_path / "nowhere")]) == 2
 
 
+def test_a_batch_records_the_code_state_taken_before_its_first_rewrite(tmp_path, monkeypatch):
+    """Rewriting summaries in place dirties the tree; a batch keeps the state read before it wrote."""
+    from runner import summarize
+
+    run_dir = runner.run(selfcheck_cfg(tmp_path))
+    calls = []
+
+    def state():
+        calls.append(1)
+        return {"commit": "abc", "dirty": len(calls) > 1}  # clean before the first write, dirty after
+
+    monkeypatch.setattr(summarize, "git_state", state)
+    assert summarize.main([str(run_dir), str(run_dir)]) == 0
+    assert len(calls) == 1 and read(run_dir / "summary.json")["resummarized_dirty"] is False
+
+
 def test_edit_experiment_end_to_end_and_cot_only(tmp_path):
     base = ["+experiment=edit", f"results_dir={tmp_path}", *TINY, "model.margin=0", "task=gated",
             "task.n_items=2", "task.length=700", "progress=false"]
