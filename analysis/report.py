@@ -33,6 +33,7 @@ from analysis.figures import build_all
 from analysis.fresh_section import fresh_section
 from analysis.heads_section import heads_section
 from analysis.reference import in_history
+from kvnotes.measure.metrics import raw_p_correct
 
 # --- cells --------------------------------------------------------------------------------------
 
@@ -143,6 +144,7 @@ def usable_cell(summary: dict[str, Any], d: pd.DataFrame) -> str:
         return "-"
     parts = [f"{summary[k]}{label}" for k, label in (("n_usable", ""), ("n_usable_recovery", " recovery"),
                                                       ("n_usable_p_correct", " P(correct)"),
+                                                      ("n_usable_p_correct_raw", " P(correct) uncalibrated"),
                                                       ("n_usable_correct", " P(correct)")) if k in summary]
     return f"{n} ({', '.join(parts)})" if parts else str(n)
 
@@ -206,9 +208,15 @@ def summary_checks(frame: pd.DataFrame) -> list[str]:
             for c, v in (s.get("recovery") or {}).items():
                 pairs.append((f"recovery/{c}", to_float(d.loc[d["condition"] == c, "recovery"]).mean(), v.get("mean")))
         elif job in ("edit", "wording"):
+            usable, correct = raw_p_correct(*(to_float(d[c]) for c in ("score", "score_stale", "score_oracle")),
+                                            to_float(d["usable_recovery"]) > 0)
             for st, v in (s.get("strategies") or {}).items():
                 rows = d[(d["strategy"] == st) & (to_float(d["usable_p_correct"]) > 0)]
                 pairs.append((f"p_correct/{st}", to_float(rows["correct"]).mean(), v["p_correct"].get("mean")))
+                if "p_correct_raw" in v:
+                    raw = correct[(d["strategy"] == st).to_numpy() & usable]
+                    pairs.append((f"p_correct_raw/{st}", float(raw.mean()) if raw.size else math.nan,
+                                  v["p_correct_raw"].get("mean")))
         elif job in ("selfcheck", "compose"):
             for k, v in (s.get("seams") or {}).items():
                 rows = d[(d["seam"] == int(k)) & ((d["kind"] == "fidelity") if job == "compose" else True)]
@@ -255,14 +263,17 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         "conversation are not independent, so beside that interval a cluster bootstrap resamples whole domains "
         "(conversations for LoCoMo) and the verdict uses the wider of the item and cluster intervals; the note "
         "says which one stands and gives the other. Where the paper says \"about 0\" or \"about 1\", the verdict "
-        "also says whether our interval excludes that value. Rows that equal the oracle by construction "
-        "(full-downstream) are labelled identities and not counted among the verdicts. Each claim's band comes "
-        "with a sentence saying where it comes from and with its history: the commit that set it and whether a "
-        "report showing our value existed then. Most bands were written from the paper's numbers before any "
-        "report showed ours; those set after one were not written blind: the table at a glance counts their "
-        "rows apart, and where such a band replaced an earlier one each row gives the verdict under the earlier "
-        "band beside the current one. *consistent* means our "
-        "CI lies inside the band, *overlaps* that it only overlaps it, *differs* that it lies wholly outside. "
+        "also says whether our interval excludes that value. P(correct) reads decisions calibrated against a "
+        "content-free prompt (the field's value replaced by \"N/A\"; its logits subtracted before the argmax), "
+        "over the items whose stale and oracle prompts decide right that way; the note gives the uncalibrated "
+        "P(correct) (raw argmax, over the items usable without calibration) beside it, with no verdict of its "
+        "own. Rows that equal the oracle by construction (full-downstream) are labelled identities and not "
+        "counted among the verdicts. Each claim's band comes with a sentence saying where it comes from and "
+        "with its history: the commit that set it and whether a report showing our value existed then. Most "
+        "bands were written from the paper's numbers before any report showed ours; those set after one were "
+        "not written blind: the table at a glance counts their rows apart, and where such a band replaced an "
+        "earlier one each row gives the verdict under the earlier band beside the current one. *consistent* "
+        "means our CI lies inside the band, *overlaps* that it only overlaps it, *differs* that it lies wholly outside. "
         "A recovery whose CI lies within one score step of the run's dtype of zero (bfloat16: 1/16 logit; "
         "in recovery units the step divided by the item's |score_oracle - score_stale|, averaged over items; "
         "float32's 2^-20 is negligible) is read as zero, not as a non-zero effect. Our models are small CPU "
