@@ -53,3 +53,4 @@ def test_the_report_keeps_one_verdict_and_cross_checks_p_correct_raw(tmp_path):
     assert "uncalibrated (raw argmax)" in note and not any(w in note for w in ("consistent", "overlaps", "differs"))
     assert "`edit/llama/2026-01-01_00-00-00`: 8 of 8 summary.json means reproduced" in text
     assert "6 P(correct) uncalibrated" in text
+    assert "P(correct) reads decisions calibrated against a content-free prompt" in text.split("## Verdicts")[0]
