@@ -31,12 +31,12 @@ from analysis.aggregate import (
 from analysis.figures.ttft_scaling import headline_seam, speedups, timing
 from analysis.load import job_params, select
 from kvnotes.measure.margins import STEPS
-from kvnotes.measure.metrics import flipped_back, wilson_ci
+from kvnotes.measure.metrics import flipped_back, raw_p_correct, wilson_ci
 
 Extractor = Callable[[pd.DataFrame], pd.DataFrame]
 COLUMNS = ("model", *CI_COLUMNS, "runs", "note", "zero_eps")
 BF16_STEP = STEPS["bfloat16"]  # one bfloat16 step of a score (logit difference): 1/16 logit
-PROPORTIONS = frozenset({"correct", "reverted", "flipped", "agree", "decision_agree", "top1_agree"})
+PROPORTIONS = frozenset({"correct", "correct_raw", "reverted", "flipped", "agree", "decision_agree", "top1_agree"})
 
 
 def _rows(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -102,6 +102,34 @@ def knockout_flips(band_name: str) -> Extractor:
             return _rows([])
         cols = [to_float(k[c]).to_numpy() for c in ("score", "score_stale", "score_oracle")]
         return inner(k.assign(flipped=flipped_back(*cols)))
+    return f
+
+
+def p_correct(job: str, strategy: str, **eq: Any) -> Extractor:
+    """P(correct) of `strategy` over the items usable calibrated (decisions against the content-free
+    prompt, the runs' own reading), with the uncalibrated P(correct) in the note: the raw argmax
+    over the items usable uncalibrated (kvnotes.measure.metrics.raw_p_correct, the rule the edit
+    summaries' p_correct_raw uses). A second reading beside the first, not a second verdict."""
+    cal = records(job, ["gated"], "correct", usable="usable_p_correct", strategy=strategy, **eq)
+    raw = records(job, ["gated"], "correct_raw", usable="usable_p_correct_raw", strategy=strategy, **eq)
+    needs = {"score", "score_stale", "score_oracle", "usable_recovery"}
+
+    def f(frame: pd.DataFrame) -> pd.DataFrame:
+        out = cal(frame)
+        d = frame[frame["job"] == job]
+        if out.empty or not needs <= set(d.columns):
+            return out
+        usable, correct = raw_p_correct(*(to_float(d[c]) for c in ("score", "score_stale", "score_oracle")),
+                                        to_float(d["usable_recovery"]) > 0)
+        r = raw(d.assign(usable_p_correct_raw=usable, correct_raw=correct)).set_index("model")
+        notes = []
+        for m, note in zip(out["model"], out["note"], strict=True):
+            x = r.loc[m] if m in r.index else None
+            s = ("uncalibrated (raw argmax): no item usable" if x is None else
+                 f"uncalibrated (raw argmax): {x['mean']:.3f} [{x['lo']:.3f}, {x['hi']:.3f}], "
+                 f"n = {int(x['n'])} items usable uncalibrated")
+            notes.append("; ".join(p for p in (note, s) if p))
+        return out.assign(note=notes)
     return f
 
 
@@ -312,15 +340,13 @@ EXTRACTORS: dict[str, Extractor] = {
                                            note="n = prompts", condition="split", seam=0),
     "split_facts_agreement_single": records("split", ["gated"], "agree", ("run_id", "item_id", "prompt"),
                                             note="n = prompts", condition="single", seam=0),
-    "erratum_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
-    "field_only_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct", strategy="field_only"),
-    "field_only_cot_p_correct": records("edit", ["gated"], "correct", usable="usable_p_correct",
-                                        strategy="field_only+cot", cot=True),
-    "wording_bare": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_bare"),
-    "wording_tagged": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum_tagged"),
-    "wording_explicit": records("wording", ["gated"], "correct", usable="usable_p_correct", strategy="erratum"),
-    "wording_reevaluate": records("wording", ["gated"], "correct", usable="usable_p_correct",
-                                  strategy="erratum_reevaluate"),
+    "erratum_p_correct": p_correct("edit", "erratum"),
+    "field_only_p_correct": p_correct("edit", "field_only"),
+    "field_only_cot_p_correct": p_correct("edit", "field_only+cot", cot=True),
+    "wording_bare": p_correct("wording", "erratum_bare"),
+    "wording_tagged": p_correct("wording", "erratum_tagged"),
+    "wording_explicit": p_correct("wording", "erratum"),
+    "wording_reevaluate": p_correct("wording", "erratum_reevaluate"),
     **{f"seam_cosine_k{k}": seam_cosine(k) for k in (0, 2, 4, 32)},
     "seam_repair_gain": seam_gain,
     "fidelity_cosine": seam_cosine(4),

@@ -10,7 +10,8 @@ time / full re-prefill time, measured side by side per item). Items are usable f
 |score_oracle - score_stale| >= margin, for P(correct) when in addition stale and oracle argmax
 are both correct. Decisions are calibrated when the item has a content-free prompt (the field set
 to N/A): each state's outcome logits minus the content-free ones, the same offset for every state
-of the item (`pick_raw` keeps the uncalibrated argmax). Paper: erratum 1.00, field-only 0.00
+of the item (`pick_raw` keeps the uncalibrated argmax; the summary's `p_correct_raw` reads P(correct)
+that way, over the items whose raw stale and oracle picks are correct). Paper: erratum 1.00, field-only 0.00
 without CoT, CacheBlend@15 % 0.13. Selective strategies' times exclude ranking the positions (the
 `copy` variant and the effect ranking also need the oracle cache).
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-HEADLINE = ("n_items", "n_usable", "n_skipped", "n_usable_recovery", "n_usable_p_correct", "margin")
+HEADLINE = ("n_items", "n_usable", "n_skipped", "n_usable_recovery", "n_usable_p_correct", "n_usable_p_correct_raw",
+            "margin")
 
 
 def _ci_rows(node: Any, path: str) -> Iterable[tuple[str, Mapping[str, Any]]]:

@@ -1,4 +1,5 @@
-"""The figures of PAPER.md section 8, one module per figure, drawn from whatever runs exist.
+"""The paper's figures (its claims as docs/paper.md restates them), one module per figure, drawn
+from whatever runs exist.
 
 Each module has NAME (the file stem), TITLE, NEEDS (the runs it reads) and
 `make(frame, out) -> [png, pdf]`, where `frame` is the tidy records frame of analysis.load; a

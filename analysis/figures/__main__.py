@@ -1,4 +1,4 @@
-"""Regenerate every figure of PAPER.md section 8 for which runs exist, as PNG and PDF.
+"""Regenerate every figure of the paper's claims (docs/paper.md) for which runs exist, as PNG and PDF.
 
     python -m analysis.figures [--results results/reference] [--out results/figures] [--only NAME ...]
 

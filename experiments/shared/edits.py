@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvnotes.edit.strategies import Editor, EditState
-from kvnotes.measure.metrics import ci_dict, prop_dict, range_dict, recovery
+from kvnotes.measure.metrics import ci_dict, prop_dict, range_dict, raw_p_correct, recovery
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide, outcome_logits, score
 
@@ -96,18 +96,30 @@ def drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[di
         ctx.write(key, rows)
 
 
+def _raw(r: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(usable, correct) of a record's uncalibrated P(correct) (kvnotes.measure.metrics.raw_p_correct)."""
+    nan = float("nan")  # records without scores: usable for neither reading
+    usable, correct = raw_p_correct(r.get("score", nan), r.get("score_stale", nan), r.get("score_oracle", nan),
+                                    bool(r["usable_recovery"]))
+    return bool(usable[0]), bool(correct[0])
+
+
 def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] = ("strategy",)) -> dict[str, Any]:
-    """Per strategy: p_correct (Wilson interval), recovery and recompute_fraction (bootstrap CI),
-    time_ratio (mean, median and min-max range over items: one timing each is no sample for a CI)."""
+    """Per strategy: p_correct (Wilson interval) over the items usable calibrated (picks against the
+    content-free prompt) and p_correct_raw over the items usable uncalibrated (raw argmax), recovery
+    and recompute_fraction (bootstrap CI), time_ratio (mean, median and min-max range over items:
+    one timing each is no sample for a CI)."""
     rows = list(records)
     keys = sorted({tuple(str(r.get(g)) for g in group) for r in rows})
     out: dict[str, Any] = {}
     for key in keys:
         sel = [r for r in rows if tuple(str(r.get(g)) for g in group) == key]
         p_rows = [r for r in sel if r["usable_p_correct"]]
+        raw = [_raw(r) for r in sel]
         r_rows = [r for r in sel if r["usable_recovery"]]
         out["/".join(key)] = {
             "p_correct": prop_dict(float(r["correct"]) for r in p_rows),
+            "p_correct_raw": prop_dict(float(correct) for usable, correct in raw if usable),
             "recovery": ci_dict(r["recovery"] for r in r_rows),
             "recompute_fraction": ci_dict(r["recompute_fraction"] for r in sel),
             "time_ratio": range_dict(r["time_ratio"] for r in sel),
@@ -118,5 +130,6 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
         "n_items": len(items),
         "n_usable_recovery": sum(bool(r["usable_recovery"]) for r in items.values()),
         "n_usable_p_correct": sum(bool(r["usable_p_correct"]) for r in items.values()),
+        "n_usable_p_correct_raw": sum(_raw(r)[0] for r in items.values()),
         "strategies": out,
     }

@@ -268,6 +268,23 @@ def flipped_back(score: ArrayLike, score_stale: ArrayLike, score_oracle: ArrayLi
     return np.atleast_1d(np.where(ok, (np.sign(s - c) == side_stale).astype(np.float64), np.nan))
 
 
+def raw_p_correct(score: ArrayLike, score_stale: ArrayLike, score_oracle: ArrayLike,
+                  usable_recovery: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """(usable, correct) of the uncalibrated P(correct), per record, from the item's scores alone.
+
+    Every task suite of kvnotes.tasks decides between two outcomes, so an item's raw argmax (no
+    content-free offset) is the sign of score = logit[correct_new] - logit[correct_old]: the state picks the new answer when
+    score > 0. An item is usable, as for the calibrated reading, when it is usable for recovery
+    (|score_oracle - score_stale| >= margin) and the stale prompt picks the old answer
+    (score_stale < 0) while the oracle picks the new one (score_oracle > 0); a state is correct
+    when it picks what the oracle picks, the new answer (score > 0). A score of exactly 0 (a tie)
+    counts as neither answer.
+    """
+    s, st, o = (np.asarray(_cpu(v), dtype=np.float64) for v in (score, score_stale, score_oracle))
+    usable = np.asarray(usable_recovery, dtype=bool) & (st < 0) & (o > 0)
+    return np.atleast_1d(usable), np.atleast_1d(s > 0)
+
+
 def range_dict(values: Iterable[float] | ArrayLike) -> dict[str, Any]:
     """Timings: mean, median, min and max of the finite values, called a min-max range (one timing
     per item is no sample to bootstrap a 95 % interval from)."""
