@@ -224,6 +224,7 @@ def summarize_frozen(records: Sequence[Mapping[str, Any]], cfg: HeadsHeldoutConf
     attention ranking and from random; the frozen heads and the run they were frozen on."""
     out = skip_summary(records)
     out["heads"] = summarize_heads(records, cfg.n_heads)
+    out["heads"].pop("best_single_head_mean")  # no single-head sweep on a frozen run: nothing to report
     k = cfg.n_heads
     rows = [r for r in records if r.get("condition") == "heads" and int(r["n_heads"]) == k]
     rankings = sorted({str(r["ranking"]) for r in rows})

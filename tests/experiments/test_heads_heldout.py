@@ -117,6 +117,7 @@ def test_frozen_heads_tested_unranked_on_another_suite(source, tmp_path, one_thr
         - heads[(heads["ranking"] == "attention") & (heads["n_heads"] == 3)].set_index("item_id")["recovery"]
     assert s["frozen_effect_minus_attention_k3"]["mean"] == pytest.approx(want.mean())
     assert set(s["heads"]["curves"]) == {"frozen_effect", "frozen_attention", "attention", "random"}
+    assert "best_single_head_mean" not in s["heads"]  # no single-head sweep: no NaN row in its place
 
 
 def test_a_source_without_per_head_attention_freezes_the_effect_ranking_only(source, tmp_path, one_thread):
