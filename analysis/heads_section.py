@@ -1,7 +1,7 @@
 """The report's read-head section: is the gap to the paper's top-12 recovery a ranking question?
 
-Reads the newest `heads_heldout` run per model (its summary.json: the CIs its job computed from
-records.parquet). On the same items, recovery from patching k heads at the decision token, with
+Reads the newest cross-fitted `heads_heldout` run per model (its summary.json: the CIs its job
+computed from records.parquet; frozen-transfer runs are left out). On the same items, recovery from patching k heads at the decision token, with
 heads ranked four ways: by attention to the notes (the paper's ranking), by their own effect on
 the item (in sample: an upper bound), by their mean effect on the *other* items (held out: what a
 ranking that never sees the item achieves), and at random. The paired differences at the paper's
@@ -16,7 +16,7 @@ import pandas as pd
 
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
-from analysis.load import newest_summaries
+from analysis.load import summaries
 
 RANKINGS = (("attention", "attention to the notes"), ("effect_heldout", "effect on the other items (held out)"),
             ("effect", "effect on the item itself (in sample)"), ("random", "random"))
@@ -29,7 +29,9 @@ def _curve(s: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
 
 def heads_section(frame: pd.DataFrame) -> list[str]:
     """Markdown lines, one table per model with a heads_heldout run; [] when there is none."""
-    runs = newest_summaries(frame, "heads_heldout")
+    # the newest cross-fitted run per model; a frozen-transfer run (experiment.frozen_from) has no
+    # in-sample or held-out curve, and never stands in for one
+    runs = list({m: (m, r, s) for m, r, s in summaries(frame, "heads_heldout") if "frozen" not in s}.values())
     if not runs:
         return []
     lines = ["## Read heads: ranking or protocol? (cross-fitted)", "",

@@ -264,7 +264,11 @@ def prompt_problem(params: Any, kind: str, run_cfg: RunConfig) -> str | None:
 
 
 def validate(cfg: DictConfig) -> Job:
-    """Typed, checked view of a composed config; raises ConfigError naming what is valid."""
+    """Typed, checked view of a composed config; raises ConfigError naming what is valid.
+
+    A job config with `check_run(run_cfg)` has it called here, before any weights load: it
+    raises ConfigError when what the config reads outside itself (another run's records) does not
+    fit this run (its model)."""
     run_cfg: RunConfig = _typed(RunConfig, cfg, "")
     problem = results_problem(run_cfg.results_dir)
     if problem:
@@ -285,6 +289,9 @@ def validate(cfg: DictConfig) -> Job:
     problem = prompt_problem(params, kind, run_cfg)
     if problem:
         raise ConfigError(problem)
+    check_run = getattr(params, "check_run", None)
+    if callable(check_run):  # what a job's config reads outside itself, checked against the run
+        check_run(run_cfg)
     if cfg.get("task") is not None:
         run_cfg = replace(run_cfg, task=typed_task(cfg.task, run_cfg))
     return Job(run_cfg, kind, name, params, entry)

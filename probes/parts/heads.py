@@ -55,7 +55,7 @@ def head_records(
     L, H = int(att.shape[0]), int(att.shape[1])
     z_new = interp.tail_head_outputs(model, pair.new, pair.tail)  # [layer, head, d_head]
     every = all_heads(L, H)
-    notes = att[..., pair.downstream_positions].sum(-1)  # [layer, head]
+    notes = notes_attention(pair, att)  # [layer, head]
     rows: list[dict[str, Any]] = []
     order: dict[str, list[tuple[int, int]]] = dict(given or {})
     order["attention"] = [every[i] for i in torch.argsort(notes.flatten(), descending=True, stable=True).tolist()]
@@ -74,6 +74,12 @@ def head_records(
     rows += [dict(base) | row | {"heads": str(sorted(s)), "recovery": float(r)}
              for (row, s), r in zip(sets, rec, strict=True)]
     return rows
+
+
+def notes_attention(pair: PatchPair, att: torch.Tensor) -> torch.Tensor:
+    """The decision token's attention to the notes, att [layer, head, cached pos] summed over the
+    downstream span: [layer, head], what the attention ranking orders heads by."""
+    return att[..., pair.downstream_positions].sum(-1)
 
 
 def all_heads(n_layers: int, n_heads: int) -> list[tuple[int, int]]:

@@ -44,3 +44,19 @@ def test_a_curve_above_one_is_called_an_overshoot():
     s = {"heads": {"curves": {"effect": [{"n_heads": 12, **_ci(2.0)}], "attention": [{"n_heads": 12, **_ci(0.3)}]}},
          "heldout_minus_attention_k12": _ci(0.5), "effect_minus_heldout_k12": _ci(1.0)}
     assert "Above 1 at k = 12 (effect on the item itself (in sample)): " in reading(s)
+
+
+def test_a_newer_frozen_transfer_run_does_not_replace_the_cross_fitted_one(tmp_path):
+    crossed, frozen = tmp_path / "crossed", tmp_path / "frozen"
+    for d in (crossed, frozen):
+        d.mkdir()
+    curves = {rk: [{"n_heads": 12, **_ci(v)}] for rk, v in (("attention", 0.3), ("effect_heldout", 0.8))}
+    (crossed / "summary.json").write_text(json.dumps({"n_curve_items": 40, "heads": {"curves": curves}}))
+    (frozen / "summary.json").write_text(json.dumps({  # no held-out curve: frozen heads on another suite
+        "n_curve_items": 30, "frozen": {"source_run": ["heads_heldout/qwen-1.5b/1"]},
+        "heads": {"curves": {"frozen_effect": [{"n_heads": 12, **_ci(0.7)}]}}}))
+    frame = pd.DataFrame([{"job": "heads_heldout", "model": "qwen-1.5b", "run_id": f"heads_heldout/q/{i}",
+                           "run_path": str(d)} for i, d in ((1, crossed), (2, frozen))])
+    text = "\n".join(heads_section(frame))
+    assert "40 items" in text and "effect on the other items (held out)" in text
+    assert "heads_heldout/q/2" not in text
