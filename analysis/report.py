@@ -25,7 +25,7 @@ import pandas as pd
 from analysis import load
 from analysis.aggregate import model_label, reference, to_float
 from analysis.blend_section import blend_section
-from analysis.claims import all_claims, band, verdict
+from analysis.claims import all_claims
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
 from analysis.distance_section import distance_section
 from analysis.dtype_section import dtype_section
@@ -35,6 +35,7 @@ from analysis.heads_section import heads_section
 from analysis.localize_section import localize_section
 from analysis.order_section import order_section
 from analysis.reference import in_history
+from analysis.verdicts import band, verdict
 from kvnotes.measure.metrics import raw_p_correct
 
 # --- cells --------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from run_folders import N_ITEMS, write_run
 
-from analysis import aggregate, claims, load, report
+from analysis import aggregate, claims, load, report, verdicts
 from analysis.figures import FIGURES, Skip, build_all
 from analysis.figures import __main__ as figures_cli
 from kvnotes.measure.metrics import bootstrap_ci
@@ -384,7 +384,7 @@ def test_reference_holds_the_papers_numbers():
     assert set(claims.EXTRACTORS) <= set(paper)
     for cid, c in paper.items():
         assert c.get("figure") is None or c["figure"] in FIGURES, cid
-        claims.band(c.get("target"))  # every target parses
+        verdicts.band(c.get("target"))  # every target parses
         if c.get("measured_by") is not None:
             assert cid in claims.EXTRACTORS, f"{cid} is measured by {c['measured_by']} but has no extractor"
 
@@ -552,21 +552,21 @@ def test_claims_are_recomputed_from_records(frame):
 
 def test_verdicts_are_plain_and_honest():
     approx0 = {"approx": 0.0, "tol": 0.1}
-    assert claims.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"  # CI inside the band
-    assert claims.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
-    assert claims.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
-    assert claims.verdict(approx0, 0.05, -0.05, 0.15, 10) == "overlaps"  # mean inside, CI not: not consistent
-    assert claims.verdict(approx0, 0.15, 0.05, 0.25, 10) == "overlaps"
-    assert claims.verdict(approx0, 0.0, -2, 2, 4) == "overlaps: CI much wider than the band"
+    assert verdicts.verdict(approx0, 0.01, -0.02, 0.04, 10) == "consistent"  # CI inside the band
+    assert verdicts.verdict(approx0, 0.5, 0.4, 0.6, 10) == "differs: ours is higher"
+    assert verdicts.verdict({"at_least": 1.16}, 0.9, 0.8, 1.0, 3) == "differs: ours is lower"
+    assert verdicts.verdict(approx0, 0.05, -0.05, 0.15, 10) == "overlaps"  # mean inside, CI not: not consistent
+    assert verdicts.verdict(approx0, 0.15, 0.05, 0.25, 10) == "overlaps"
+    assert verdicts.verdict(approx0, 0.0, -2, 2, 4) == "overlaps: CI much wider than the band"
     # within one score step of the dtype (bf16: 1/16 logit) of zero: zero, never a non-zero effect
-    assert claims.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10) == "consistent"
-    assert claims.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10, zero_eps=0.05).startswith(
+    assert verdicts.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10) == "consistent"
+    assert verdicts.verdict({"at_least": 0.02}, 0.03, 0.021, 0.04, 10, zero_eps=0.05).startswith(
         "differs: ours is zero within one score step")
-    assert claims.verdict(approx0, 0.03, 0.01, 0.04, 10, zero_eps=0.05).startswith("consistent: zero within")
-    assert claims.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
-    assert claims.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
-    assert claims.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
-    assert "n=1" in claims.verdict(approx0, 0.0, math.nan, math.nan, 1)
+    assert verdicts.verdict(approx0, 0.03, 0.01, 0.04, 10, zero_eps=0.05).startswith("consistent: zero within")
+    assert verdicts.verdict(approx0, math.nan, math.nan, math.nan, 0) == "no data"
+    assert verdicts.verdict(approx0, math.nan, math.nan, math.nan, 16).startswith("differs: undefined")
+    assert verdicts.verdict(None, 0.3, 0.2, 0.4, 5).startswith("for reference")
+    assert "n=1" in verdicts.verdict(approx0, 0.0, math.nan, math.nan, 1)
 
 
 def test_report_writes_claims_figures_and_runs(results, frame, drawn):

@@ -10,7 +10,7 @@ import re
 import pytest
 from run_folders import write_run
 
-from analysis import aggregate, claims, load, report
+from analysis import aggregate, load, report, verdicts
 
 SHA = re.compile(r"[0-9a-f]{7,40}")
 
@@ -27,7 +27,7 @@ def test_every_band_has_a_history_of_the_schema_the_report_reads():
         r = h["replaced"]
         if r is not None:
             assert set(r) == {"target", "in"} and SHA.fullmatch(str(r["in"])), cid
-            assert claims.band(r["target"]) is not None, cid  # a target the verdict function reads
+            assert verdicts.band(r["target"]) is not None, cid  # a target the verdict function reads
             assert r["target"] != c["target"], cid
 
 

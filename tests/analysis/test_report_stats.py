@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import aggregate, claims, load, reference, report
+from analysis import aggregate, claims, load, reference, report, verdicts
 from analysis.dtype_section import dtype_section
 from kvnotes.measure.metrics import bootstrap_ci
 from probes.parts.common import ci_dict
@@ -49,7 +49,7 @@ def test_recovery_within_one_bf16_step_of_zero_is_read_as_zero():
     out = claims.records("patching", ["gated"], "recovery", condition="field_only")(f)
     eps = out["zero_eps"].iloc[0]
     assert eps == pytest.approx((1 / 16) / 0.5)  # one bf16 step over a 0.5-logit denominator: 0.125
-    v = claims.verdict({"approx": 0.0, "tol": 0.1}, *out[["mean", "lo", "hi", "n"]].iloc[0], eps)
+    v = verdicts.verdict({"approx": 0.0, "tol": 0.1}, *out[["mean", "lo", "hi", "n"]].iloc[0], eps)
     assert v.startswith("consistent: zero within one score step")
     fp32 = claims.records("patching", ["gated"], "recovery", condition="field_only")(f.assign(dtype="float32"))
     assert fp32["zero_eps"].iloc[0] < 1e-5  # float32 resolves far below a bf16 step
