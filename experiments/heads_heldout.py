@@ -40,18 +40,18 @@ flips, the field stays byte-identical) gets the same numbers with no prediction 
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
+from experiments.shared.run_dirs import run_model_name
 from kvnotes.edit.patching import PatchPair, make_pair
 from kvnotes.errors import ConfigError
 from kvnotes.measure.metrics import ci_dict
@@ -137,28 +137,26 @@ def frozen_orders(single: pd.DataFrame) -> tuple[dict[str, list[tuple[int, int]]
     return orders, missing
 
 
-def _source_model(path: Path) -> str | None:
-    """The model a run directory was run with: meta.json's model_name, else config.yaml's."""
-    try:
-        if (path / "meta.json").is_file():
-            return str(json.loads((path / "meta.json").read_text())["model_name"])
-        if (path / "config.yaml").is_file():
-            return str(yaml.safe_load((path / "config.yaml").read_text())["model"]["name"])
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    return None
-
-
 def read_frozen(source: str, model_name: str, n_heads: int) -> FrozenHeads:
     """The frozen head orders of run directory `source`; a ConfigError (one line) when it is not a
-    finished run, is a run of another model, or has fewer than `n_heads` per-head effects."""
+    finished run, is a run of another model, or has fewer than `n_heads` per-head effects. Read
+    once per version of its records (the config check before weights load and the run share it)."""
+    try:
+        stamp: int | None = (Path(source) / "records.parquet").stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _read_frozen(source, stamp, model_name, n_heads)
+
+
+@lru_cache(maxsize=4)
+def _read_frozen(source: str, stamp: int | None, model_name: str, n_heads: int) -> FrozenHeads:
     where = f"experiment.frozen_from={source!r}"
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(f"{where} is not a directory; give a finished heads_heldout run directory")
     if not (path / "records.parquet").is_file():
         raise ConfigError(f"{where} has no records.parquet: not a finished run (give a completed heads_heldout run)")
-    model = _source_model(path)
+    model = run_model_name(path)
     if model is None:
         raise ConfigError(f"{where}: neither meta.json nor config.yaml names the run's model")
     if model != model_name:

@@ -263,12 +263,13 @@ def prompt_problem(params: Any, kind: str, run_cfg: RunConfig) -> str | None:
     return budget.position_problem(tokens, run_cfg.model.name, shape, f"{kind}.{setting}", overhead)
 
 
-def validate(cfg: DictConfig) -> Job:
+def validate(cfg: DictConfig, check_inputs: bool = True) -> Job:
     """Typed, checked view of a composed config; raises ConfigError naming what is valid.
 
     A job config with `check_run(run_cfg)` has it called here, before any weights load: it
     raises ConfigError when what the config reads outside itself (another run's records) does not
-    fit this run (its model)."""
+    fit this run (its model). `check_inputs=False` skips that: summarising a finished run again
+    reads its own records, not its inputs (which may since have moved)."""
     run_cfg: RunConfig = _typed(RunConfig, cfg, "")
     problem = results_problem(run_cfg.results_dir)
     if problem:
@@ -290,7 +291,7 @@ def validate(cfg: DictConfig) -> Job:
     if problem:
         raise ConfigError(problem)
     check_run = getattr(params, "check_run", None)
-    if callable(check_run):  # what a job's config reads outside itself, checked against the run
+    if check_inputs and callable(check_run):  # what a job's config reads outside itself, checked against the run
         check_run(run_cfg)
     if cfg.get("task") is not None:
         run_cfg = replace(run_cfg, task=typed_task(cfg.task, run_cfg))

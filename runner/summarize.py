@@ -37,7 +37,7 @@ def resummarize(run_dir: Path, git: dict[str, Any] | None = None) -> dict[str, A
     cfg = OmegaConf.load(run_dir / "config.yaml")
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{run_dir}/config.yaml is not a mapping")
-    job = validate(cfg)
+    job = validate(cfg, check_inputs=False)  # the run's inputs were checked when it ran
     old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
     git = git or git_state()  # the code that summarised again (the records keep the run's own commit)

@@ -96,12 +96,15 @@ def drive(ctx: Context, build: Callable[[Editor], tuple[list[EditState], list[di
         ctx.write(key, rows)
 
 
-def _raw(r: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(usable, correct) of a record's uncalibrated P(correct) (kvnotes.measure.metrics.raw_p_correct)."""
-    nan = float("nan")  # records without scores: usable for neither reading
-    usable, correct = raw_p_correct(r.get("score", nan), r.get("score_stale", nan), r.get("score_oracle", nan),
-                                    bool(r["usable_recovery"]))
-    return bool(usable[0]), bool(correct[0])
+def _raw(rows: Sequence[Mapping[str, Any]]) -> list[tuple[bool, bool]]:
+    """(usable, correct) of each record's uncalibrated P(correct), in one vectorised call
+    (kvnotes.measure.metrics.raw_p_correct); records without scores are usable for neither reading."""
+    if not rows:
+        return []
+    nan = float("nan")
+    score, stale, oracle = ([r.get(k, nan) for r in rows] for k in ("score", "score_stale", "score_oracle"))
+    usable, correct = raw_p_correct(score, stale, oracle, [bool(r["usable_recovery"]) for r in rows])
+    return list(zip(usable.tolist(), correct.tolist(), strict=True))
 
 
 def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] = ("strategy",)) -> dict[str, Any]:
@@ -110,12 +113,13 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
     and recompute_fraction (bootstrap CI), time_ratio (mean, median and min-max range over items:
     one timing each is no sample for a CI)."""
     rows = list(records)
+    raw_of = dict(zip(map(id, rows), _raw(rows), strict=True))  # once per record
     keys = sorted({tuple(str(r.get(g)) for g in group) for r in rows})
     out: dict[str, Any] = {}
     for key in keys:
         sel = [r for r in rows if tuple(str(r.get(g)) for g in group) == key]
         p_rows = [r for r in sel if r["usable_p_correct"]]
-        raw = [_raw(r) for r in sel]
+        raw = [raw_of[id(r)] for r in sel]
         r_rows = [r for r in sel if r["usable_recovery"]]
         out["/".join(key)] = {
             "p_correct": prop_dict(float(r["correct"]) for r in p_rows),
@@ -130,6 +134,6 @@ def summarize_states(records: Sequence[Mapping[str, Any]], group: Sequence[str] 
         "n_items": len(items),
         "n_usable_recovery": sum(bool(r["usable_recovery"]) for r in items.values()),
         "n_usable_p_correct": sum(bool(r["usable_p_correct"]) for r in items.values()),
-        "n_usable_p_correct_raw": sum(_raw(r)[0] for r in items.values()),
+        "n_usable_p_correct_raw": sum(raw_of[id(r)][0] for r in items.values()),
         "strategies": out,
     }

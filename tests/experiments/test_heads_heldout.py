@@ -16,6 +16,7 @@ import experiments.heads_heldout as heads_heldout
 import runner.main as runner
 from experiments.heads_heldout import heldout_orders
 from runner.config import ConfigError
+from runner.summarize import resummarize
 
 FRESH = ["task.domains=[library,rental,hotel]", ONE_THREAD]  # vet's outcomes share a first tiny token
 
@@ -132,6 +133,23 @@ def test_a_source_without_per_head_attention_freezes_the_effect_ranking_only(sou
     s = json.loads((run_dir / "summary.json").read_text())
     assert "attention_to_notes: not recorded there" in s["frozen"]["not_frozen"]["frozen_attention"]
     assert set(s["frozen"]["heads"]) == {"frozen_effect"} and "frozen_attention_minus_attention_k3" not in s
+
+
+def test_the_source_is_read_once_and_not_needed_to_summarise_again(source, tmp_path, one_thread):
+    """The config check before weights load and the run share one read of the source's records;
+    summarising the frozen run again reads its own records only (the source may since have moved)."""
+    moved = tmp_path / "heads_heldout" / "tiny-llama" / "moved"
+    shutil.copytree(source, moved)
+    before = heads_heldout._read_frozen.cache_info()
+    run_dir = runner.run(fresh(tmp_path / "runs", f"experiment.frozen_from={moved}", "task.n_items=1",
+                               "experiment.head_ks=[3]"))
+    after = heads_heldout._read_frozen.cache_info()
+    assert after.misses - before.misses == 1 and after.hits - before.hits >= 1
+    first = json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(moved)
+    again = resummarize(run_dir)
+    for key in ("frozen", "recovery_k3"):  # as JSON: one item's interval ends are NaN
+        assert json.dumps(again[key], sort_keys=True) == json.dumps(first[key], sort_keys=True), key
 
 
 def _run_dir(path: Path, model: str, conditions: list[str]) -> str:
