@@ -18,11 +18,19 @@ from analysis.load import newest_summaries
 TITLE = "Where the notes are: positions ranked on held-out items"
 
 
+def cluster_note(d: Any, digits: int = 2) -> str:
+    """' (domain cluster [lo, hi])' of a summary cell that carries one, else ''."""
+    c = d.get("ci_cluster") if isinstance(d, dict) else None
+    if not isinstance(c, dict) or c.get("ci_lo") is None or c["ci_lo"] != c["ci_lo"]:
+        return ""
+    return f" (domain cluster [{c['ci_lo']:.{digits}f}, {c['ci_hi']:.{digits}f}])"
+
+
 def prop_cell(d: Any) -> str:
-    """k/n with the Wilson interval of a prop_dict, or '-'."""
+    """k/n with the Wilson interval of a prop_dict (and its domain-cluster interval), or '-'."""
     if not isinstance(d, dict) or not d.get("n"):
         return "-"
-    return f"{d.get('k')}/{d['n']} {ci_cell(d, 2)}"
+    return f"{d.get('k')}/{d['n']} {ci_cell(d, 2)}{cluster_note(d)}"
 
 
 def localize_section(frame: pd.DataFrame, figure: str | None = None) -> list[str]:
@@ -37,7 +45,9 @@ def localize_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
              "offset) on the *other* items of its group, never on its own map, and patched as nested top-k sets "
              "(`+experiment=localize`). In-sample (ranked on the item's own map) and random sets are shown "
              "beside; the paper's top-8 (0.74-0.79) was ranked in sample. Means over items with 95 % bootstrap "
-             "CIs; shares of items with Wilson CIs.", ""]
+             "CIs; shares of items with Wilson CIs; items of one domain share its words, so the headline "
+             "numbers also give the domain cluster bootstrap (resampling whole domains), and a reading "
+             "uses the wider of the two.", ""]
     if figure:
         lines += [f"![localize]({figure})", ""]
     for model, run_id, s in sorted(runs, key=lambda r: size_of(model_label(r[0]))):
@@ -60,12 +70,14 @@ def localize_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
         k80_set, top8 = s.get("k80_set") or {}, s.get("top8") or {}
         if k80_set.get("aggregator_share"):
             lines += ["", f"Of the k80 set's positions: aggregator tokens (newline, punctuation, section mark, special "
-                      f"token) {ci_cell(k80_set['aggregator_share'], 2)}; in the quarter of the downstream span the "
-                      f"decision token attends to most {ci_cell(k80_set.get('attended_share'), 2)}."]
+                      f"token) {ci_cell(k80_set['aggregator_share'], 2)}{cluster_note(k80_set['aggregator_share'])}; in the "
+                      f"quarter of the downstream span the decision token attends to most "
+                      f"{ci_cell(k80_set.get('attended_share'), 2)}{cluster_note(k80_set.get('attended_share'))}."]
         if top8.get("heldout"):
             paper = top8.get("paper") or []
-            lines += ["", f"Top-8: held-out {ci_cell(top8['heldout'])}, in sample {ci_cell(top8.get('in_sample'))}, "
-                      f"in sample minus held-out {ci_cell(top8.get('in_sample_minus_heldout'))}"
+            lines += ["", f"Top-8: held-out {ci_cell(top8['heldout'])}{cluster_note(top8['heldout'], 3)}, in sample "
+                      f"{ci_cell(top8.get('in_sample'))}{cluster_note(top8.get('in_sample'), 3)}, in sample minus held-out "
+                      f"{ci_cell(top8.get('in_sample_minus_heldout'))}{cluster_note(top8.get('in_sample_minus_heldout'), 3)}"
                       + (f"; the paper, in sample, {paper[0]:.2f}-{paper[1]:.2f}" if len(paper) == 2 else "") + "."]
         if s.get("reading"):
             lines += ["", f"{label}: {s['reading']}"]

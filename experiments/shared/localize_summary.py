@@ -5,7 +5,9 @@ recovery curve, the smallest k recovering the threshold (`k80`: the first k on t
 while every smaller k was scanned) and that set's make-up: its share per prompt segment, of
 aggregator tokens and of the most-attended quarter. Means carry percentile-bootstrap CIs over
 items (random draws averaged per item first), shares of items Wilson intervals, and every
-per-item quantity its quantiles, since one mean hides a two-peaked distribution.
+per-item quantity its quantiles, since one mean hides a two-peaked distribution. Items of one
+domain share its words and filler, so each of these also carries `ci_cluster`, the interval from
+resampling whole domains, and `verdict_ci`, the wider of the two (the one a reading should use).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.measure.metrics import ci_dict, prop_dict, range_dict, smallest_k
+from kvnotes.measure.metrics import (
+    ci_dict,
+    cluster_bootstrap_ci,
+    prop_dict,
+    range_dict,
+    smallest_k,
+    wider,
+)
 from probes.parts.readouts import paired_difference
 
 RANKINGS = ("heldout", "in_sample", "random")
@@ -30,10 +39,29 @@ def quantiles(values: Sequence[float]) -> dict[str, float | int]:
     return out | {"n": int(x.size)}
 
 
-def described(values: Mapping[str, float], n_boot: int) -> dict[str, Any]:
-    """Mean with CI and n over items, and the quantiles beside it."""
+def with_cluster(out: dict[str, Any], values: Mapping[str, float], domains: Mapping[str, object],
+                 n_boot: int) -> dict[str, Any]:
+    """`out` (an item interval of the mean of `values`, item -> value) with the domain-cluster
+    interval `ci_cluster` and `verdict_ci`, the wider of the two."""
+    ids = sorted(values)
+    cl = cluster_bootstrap_ci([values[i] for i in ids], [domains.get(i) for i in ids], n_boot=n_boot)
+    w = wider(out, cl)
+    return out | {"ci_cluster": {"cluster": "domain", **{k: v for k, v in cl.items() if k not in ("mean", "n", "interval")}},
+                  "verdict_ci": [w["ci_lo"], w["ci_hi"]]}
+
+
+def described(values: Mapping[str, float], n_boot: int, domains: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """Mean with CI and n over items, and the quantiles beside it (and the cluster interval when
+    `domains` names each item's domain)."""
     v = [values[i] for i in sorted(values)]
-    return ci_dict(v, n_boot) | {"quantiles": quantiles(v)}
+    out = ci_dict(v, n_boot) | {"quantiles": quantiles(v)}
+    return out if domains is None else with_cluster(out, values, domains, n_boot)
+
+
+def share(flags: Mapping[str, bool], domains: Mapping[str, object], n_boot: int) -> dict[str, Any]:
+    """Share of items (Wilson) with its domain-cluster interval."""
+    return with_cluster(prop_dict([flags[i] for i in sorted(flags)]), {i: float(f) for i, f in flags.items()},
+                        domains, n_boot)
 
 
 def per_item_at(rows: Sequence[Mapping[str, Any]], ranking: str, k: int) -> dict[str, float]:
@@ -71,7 +99,8 @@ def smallest_set(rows: Sequence[Mapping[str, Any]], threshold: float) -> dict[st
 
 def band_summary(rows: Sequence[Mapping[str, Any]], ks: Sequence[int], threshold: float,
                  paper_top8: Sequence[float], n_boot: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"topk": {rk: {int(k): described(per_item_at(rows, rk, k), n_boot) for k in ks}
+    dom = {str(r["item_id"]): r.get("domain") for r in rows}
+    out: dict[str, Any] = {"topk": {rk: {int(k): described(per_item_at(rows, rk, k), n_boot, dom) for k in ks}
                                     for rk in RANKINGS}}
     held = [r for r in rows if r["ranking"] == "heldout"]
     by_item: dict[str, list[Mapping[str, Any]]] = {}
@@ -80,24 +109,28 @@ def band_summary(rows: Sequence[Mapping[str, Any]], ks: Sequence[int], threshold
     sets = {i: smallest_set(v, threshold) for i, v in sorted(by_item.items())}
     reached = {i: s for i, s in sets.items() if np.isfinite(s["k80"])}
     k80 = [s["k80"] for s in reached.values()]
-    out["k80"] = {"threshold": threshold, "reached": prop_dict([np.isfinite(s["k80"]) for s in sets.values()]),
+    out["k80"] = {"threshold": threshold,
+                  "reached": share({i: bool(np.isfinite(s["k80"])) for i, s in sets.items()}, dom, n_boot),
                   "exact": prop_dict([s["exact"] for s in reached.values()]),
                   "k": ci_dict(k80, n_boot) | {"quantiles": quantiles(k80)},
-                  "le_16": prop_dict([np.isfinite(s["k80"]) and s["k80"] <= 16 for s in sets.values()])}
+                  "le_16": share({i: bool(np.isfinite(s["k80"]) and s["k80"] <= 16) for i, s in sets.items()},
+                                 dom, n_boot)}
     segs = sorted({g for s in reached.values() for g in s["segments"]})
-    share = {g: {i: float(np.mean([x == g for x in s["segments"]])) for i, s in reached.items()} for g in segs}
+    of_seg = {g: {i: float(np.mean([x == g for x in s["segments"]])) for i, s in reached.items()} for g in segs}
     out["k80_set"] = {
-        "segments": {g: described(share[g], n_boot) for g in segs},
+        "segments": {g: described(of_seg[g], n_boot) for g in segs},
         "aggregator_share": described({i: float(np.mean([c == "aggregator" for c in s["classes"]]))
-                                       for i, s in reached.items()}, n_boot),
-        "attended_share": described({i: float(np.mean(s["attended"])) for i, s in reached.items()}, n_boot),
+                                       for i, s in reached.items()}, n_boot, dom),
+        "attended_share": described({i: float(np.mean(s["attended"])) for i, s in reached.items()}, n_boot, dom),
     }
     n_down = {i: s["n_ranked"] + s["n_unaligned"] for i, s in sets.items()}
     out["unaligned"] = range_dict([s["n_unaligned"] for s in sets.values()]) | {
         "share": range_dict([s["n_unaligned"] / n_down[i] for i, s in sets.items() if n_down[i]])}
     h8, i8 = per_item_at(rows, "heldout", 8), per_item_at(rows, "in_sample", 8)
-    out["top8"] = {"heldout": ci_dict(list(h8.values()), n_boot), "in_sample": ci_dict(list(i8.values()), n_boot),
-                   "in_sample_minus_heldout": paired_difference(i8, h8),
+    gap = {i: i8[i] - h8[i] for i in sorted(set(i8) & set(h8))}
+    out["top8"] = {"heldout": with_cluster(ci_dict(list(h8.values()), n_boot), h8, dom, n_boot),
+                   "in_sample": with_cluster(ci_dict(list(i8.values()), n_boot), i8, dom, n_boot),
+                   "in_sample_minus_heldout": with_cluster(paired_difference(i8, h8), gap, dom, n_boot),
                    "paper": list(paper_top8), "paper_measure": "top-8 by individual effect ranked in sample"}
     return out
 

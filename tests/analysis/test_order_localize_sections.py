@@ -74,3 +74,22 @@ def test_localize_section_shows_topk_the_k80_set_and_the_reading(tmp_path):
     assert "| request |" in text and "| rule |" in text and "![localize](f/loc.png)" in text
     assert "the paper, in sample, 0.74-0.79" in text and s["reading"] in text
     assert not math.isnan(s["top8"]["heldout"]["mean"])
+
+
+def test_localize_summary_and_section_carry_the_domain_cluster_interval(tmp_path):
+    # two domains, items alike within a domain and apart between them: the cluster interval is the wider
+    records = [r | {"domain": d} for i, d, k80 in (("a", "x", 2), ("b", "x", 2), ("c", "x", 2), ("d", "y", 8),
+                                                   ("e", "y", 8), ("f", "y", 8)) for r in _set_rows(i, k80)]
+    s = summarize_sets(records, ks=[1, 8], threshold=0.8, paper_top8=[0.74, 0.79], n_boot=200)
+    for cell in (s["topk"]["heldout"][1], s["top8"]["heldout"], s["top8"]["in_sample_minus_heldout"],
+                 s["k80"]["le_16"], s["k80_set"]["attended_share"]):
+        assert cell["ci_cluster"]["cluster"] == "domain" and cell["ci_cluster"]["n_clusters"] == 2
+        c = cell["ci_cluster"]
+        wide = c if c["ci_hi"] - c["ci_lo"] > cell["ci_hi"] - cell["ci_lo"] else cell
+        assert cell["verdict_ci"] == [wide["ci_lo"], wide["ci_hi"]]
+    top1 = s["topk"]["heldout"][1]
+    assert top1["ci_cluster"]["ci_hi"] - top1["ci_cluster"]["ci_lo"] > top1["ci_hi"] - top1["ci_lo"]
+    assert top1["verdict_ci"] == [top1["ci_cluster"]["ci_lo"], top1["ci_cluster"]["ci_hi"]]
+    text = "\n".join(localize_section(pd.DataFrame([_write(tmp_path, "localize", "qwen-1.5b", s)])))
+    assert "domain cluster bootstrap" in text and text.count("(domain cluster [") >= 4
+
