@@ -69,9 +69,12 @@ def _margin(cfg: dict[str, Any]) -> float | None:
 
 def _variant(job: str | None, cfg: dict[str, Any]) -> str:
     """What sets a run apart from others of its job, model, task and seed: "cot" for a CoT-only edit
-    run; a blend run's workloads ("skills+memory+locomo"), so a run of one workload does not replace
+    run; "decisions" for a knockout run without read heads or the after_notes variant; a blend run's workloads ("skills+memory+locomo"), so a run of one workload does not replace
     a run of others (readers keep the newest run per model and workload: `newest_per_workload`)."""
     exp = cfg.get("experiment") if isinstance(cfg.get("experiment"), dict) else {}
+    probe = cfg.get("probe") if isinstance(cfg.get("probe"), dict) else {}
+    if job == "knockout" and (probe.get("read_heads") is False or probe.get("variants") == ["decision"]):
+        return "decisions"  # a decision-variant rerun (e.g. for score_cf) beside, not over, the full design
     if job == "blend" and isinstance(exp.get("workloads"), list):
         return "+".join(str(w) for w in exp["workloads"])
     return "cot" if job == "edit" and exp.get("cot_only") else ""

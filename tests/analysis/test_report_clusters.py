@@ -42,6 +42,21 @@ def test_knockout_claims_count_decisions_that_go_back_over_items_that_can():
     assert out["note"].startswith("n = items whose old and new prompts decide differently")
 
 
+def test_a_decisions_only_knockout_rerun_stands_beside_the_full_run_and_is_not_pooled(tmp_path):
+    def band(n: int, flip: bool) -> list[dict]:
+        return [{"item_id": f"{d}/{i}", "domain": d, "variant": "decision", "condition": "band", "band": "all",
+                 "score": -1.0 if flip else 1.0, "score_stale": -1.0, "score_oracle": 2.0}
+                for d in "abc" for i in range(n)]
+
+    write_run(tmp_path, "knockout", "llama", "2026-01-01_00-00-00", band(4, flip=True))
+    rerun = {"variants": ["decision"], "read_heads": False}  # e.g. again for the content-free score
+    write_run(tmp_path, "knockout", "llama", "2026-02-01_00-00-00", band(5, flip=False), params=rerun)
+    frame = load.load(tmp_path)
+    assert sorted(frame.groupby("run_variant")["run_id"].nunique().items()) == [("", 1), ("decisions", 1)]
+    out = claims.ours(frame, "knockout_all").iloc[0]
+    assert out["n"] == 12 and out["mean"] == 1.0  # the full run's items only, although the rerun is newer
+
+
 def test_about_0_and_about_1_say_whether_our_interval_excludes_them():
     assert report.excludes({"approx": 0.0, "tol": 0.1}, 0.015, 0.047) == "; our CI excludes 0"
     assert report.excludes({"approx": 1.0, "tol": 0.15}, 0.94, 1.01) == "; our CI includes 1"
