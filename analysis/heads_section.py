@@ -1,11 +1,14 @@
 """The report's read-head section: is the gap to the paper's top-12 recovery a ranking question?
 
 Reads the newest cross-fitted `heads_heldout` run per model (its summary.json: the CIs its job
-computed from records.parquet; frozen-transfer runs are left out). On the same items, recovery from patching k heads at the decision token, with
+computed from records.parquet). On the same items, recovery from patching k heads at the decision token, with
 heads ranked four ways: by attention to the notes (the paper's ranking), by their own effect on
 the item (in sample: an upper bound), by their mean effect on the *other* items (held out: what a
 ranking that never sees the item achieves), and at random. The paired differences at the paper's
 k say whether the held-out ranking beats attention and how much of the in-sample curve survives.
+Frozen-transfer runs (`experiment.frozen_from`: the heads chosen on one suite, tested unranked on
+another) get their own table: the frozen heads beside each item's own attention ranking and
+random heads, with the item and the domain-cluster interval.
 """
 
 from __future__ import annotations
@@ -54,7 +57,40 @@ def heads_section(frame: pd.DataFrame) -> list[str]:
                 for key, v in diffs) + "."]
             lines += ["", reading(s)]
         lines.append("")
-    return lines
+    return lines + frozen_lines(frame)
+
+
+FROZEN = (("frozen_effect", "frozen (effect on the source's items)"), ("frozen_attention", "frozen (attention)"),
+          ("attention", "the item's own attention ranking"), ("random", "random"))
+
+
+def frozen_lines(frame: pd.DataFrame) -> list[str]:
+    """One row per frozen-transfer run: recovery of the top n_heads per ranking, item and domain-cluster
+    intervals; [] when there is none."""
+    runs = [(m, r, s) for m, r, s in summaries(frame, "heads_heldout") if "frozen" in s]
+    if not runs:
+        return []
+    task = frame.drop_duplicates("run_id").set_index("run_id")["task"].to_dict() if "task" in frame else {}
+    k_of = {r: int(s["frozen"].get("n_heads", 12)) for _, r, s in runs}
+    present = [(rk, name) for rk, name in FROZEN if any(rk in (s.get(f"recovery_k{k_of[r]}") or {}) for _, r, s in runs)]
+    lines = ["### Frozen read heads on other suites", "",
+             "The heads ranked by their effect on the source run's items, frozen and patched without re-ranking "
+             "on a suite they were not chosen on (`experiment.frozen_from`). Recovery of the top k, mean over "
+             "items [95 % item bootstrap] (domain cluster bootstrap beside it).", "",
+             "| model | suite | items | k | " + " | ".join(name for _, name in present) + " | source |",
+             "|---" * (5 + len(present)) + "|"]
+    for model, run_id, s in runs:
+        k = k_of[run_id]
+        cells = s.get(f"recovery_k{k}") or {}
+
+        def cell(d: Any) -> str:
+            c = d.get("ci_cluster") if isinstance(d, dict) else None
+            return ci_cell(d, 2) + (f" ({c['ci_lo']:.2f}, {c['ci_hi']:.2f})" if isinstance(c, dict) else "")
+
+        lines.append(f"| {model_label(model)} | {task.get(run_id, '?')} | {s.get('n_usable')} | {k} | "
+                     + " | ".join(cell(cells.get(rk)) for rk, _ in present)
+                     + f" | `{', '.join(s['frozen'].get('source_run') or [])}` |")
+    return lines + [""]
 
 
 def reading(s: dict[str, Any]) -> str:

@@ -60,3 +60,24 @@ def test_a_newer_frozen_transfer_run_does_not_replace_the_cross_fitted_one(tmp_p
     text = "\n".join(heads_section(frame))
     assert "40 items" in text and "effect on the other items (held out)" in text
     assert "heads_heldout/q/2" not in text
+
+
+def test_frozen_transfer_runs_get_their_own_table_with_both_intervals(tmp_path):
+    crossed, fresh = tmp_path / "crossed", tmp_path / "fresh"
+    for d in (crossed, fresh):
+        d.mkdir()
+    (crossed / "summary.json").write_text(json.dumps(
+        {"n_curve_items": 40, "heads": {"curves": {"attention": [{"n_heads": 12, **_ci(0.3)}]}}}))
+    cells = {rk: _ci(v, 48) | {"ci_cluster": {"cluster": "domain", "ci_lo": v - 0.2, "ci_hi": v + 0.1}}
+             for rk, v in (("frozen_effect", 0.73), ("attention", 0.19), ("random", 0.03))}
+    (fresh / "summary.json").write_text(json.dumps({
+        "n_usable": 48, "recovery_k12": cells,
+        "frozen": {"source_run": ["heads_heldout/qwen-1.5b/1"], "n_heads": 12}}))
+    frame = pd.DataFrame([{"job": "heads_heldout", "model": "qwen-1.5b", "run_id": f"heads_heldout/q/{i}",
+                           "task": t, "run_path": str(d)} for i, t, d in ((1, "gated", crossed), (2, "gated-fresh", fresh))])
+    text = "\n".join(heads_section(frame))
+    assert "### Frozen read heads on other suites" in text
+    assert ("| qwen-1.5b (Qwen2.5-Coder-1.5B-Instruct) | gated-fresh | 48 | 12 | 0.73 [0.68, 0.78] (0.53, 0.83) | 0.19 [0.14, 0.24] (-0.01, 0.29) "
+            "| 0.03 [-0.02, 0.08] (-0.17, 0.13) | `heads_heldout/qwen-1.5b/1` |") in text
+    assert "frozen (attention)" not in text  # no run froze it: no empty column
+
