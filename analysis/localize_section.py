@@ -26,6 +26,16 @@ def cluster_note(d: Any, digits: int = 2) -> str:
     return f" (domain cluster [{c['ci_lo']:.{digits}f}, {c['ci_hi']:.{digits}f}])"
 
 
+def size_cell(d: Any) -> str:
+    """The k80 size: median and quartiles first (sets beyond k_scan double, so a few large ones pull
+    the mean up), then the mean with its CI."""
+    q = d.get("quantiles") if isinstance(d, dict) else None
+    if not isinstance(q, dict) or not q.get("n"):
+        return ci_cell(d, 1)
+    return (f"median {q['q50']:g} (quartiles {q['q25']:g}-{q['q75']:g}, 90th percentile {q['q90']:g}); "
+            f"mean {ci_cell(d, 1)}")
+
+
 def prop_cell(d: Any) -> str:
     """k/n with the Wilson interval of a prop_dict (and its domain-cluster interval), or '-'."""
     if not isinstance(d, dict) or not d.get("n"):
@@ -63,7 +73,7 @@ def localize_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
         if k80:
             lines += ["", f"Smallest held-out set recovering {k80.get('threshold')}: reached on "
                       f"{prop_cell(k80.get('reached'))} items, with at most 16 positions on {prop_cell(k80.get('le_16'))}; "
-                      f"its size over the items that reach it {ci_cell(k80.get('k'), 1)}."]
+                      f"its size over the items that reach it: {size_cell(k80.get('k'))}."]
         if seg:
             lines += ["", "| segment of the k80 set | share of its positions |", "|---|---|",
                       *[f"| {g} | {ci_cell(d, 2)} |" for g, d in seg.items()]]

@@ -71,6 +71,7 @@ def test_localize_section_shows_topk_the_k80_set_and_the_reading(tmp_path):
     text = "\n".join(localize_section(pd.DataFrame([_write(tmp_path, "localize", "qwen-1.5b", s)]), "f/loc.png"))
     assert "| heldout | " in text and "| top-1 | top-2 | top-4 | top-8 |" in text
     assert "reached on 3/3" in text and "with at most 16 positions on 3/3" in text
+    assert "its size over the items that reach it: median 4 (quartiles" in text
     assert "| request |" in text and "| rule |" in text and "![localize](f/loc.png)" in text
     assert "the paper, in sample, 0.74-0.79" in text and s["reading"] in text
     assert not math.isnan(s["top8"]["heldout"]["mean"])
