@@ -32,6 +32,7 @@ from analysis.dtype_section import dtype_section
 from analysis.figures import build_all
 from analysis.fresh_section import fresh_section
 from analysis.heads_section import heads_section
+from analysis.knockout_section import knockout_section
 from analysis.localize_section import localize_section
 from analysis.order_section import order_section
 from analysis.reference import in_history
@@ -352,7 +353,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
         lines += [f"Not counted: {identities} identity row(s) (full-downstream equals the oracle by construction).", ""]
     loc_png = next((os.path.relpath(p, out.parent) for p in made.get("localize_notes", []) if str(p).endswith(".png")), None)
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
-    lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *heads_section(frame),
+    lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *knockout_section(frame), *heads_section(frame),
               *distance_section(frame, dist_png), *order_section(frame), *localize_section(frame, loc_png),
               *(dtype_section(results) if Path(results).is_dir() else [])]
     if len(frame):
