@@ -72,9 +72,7 @@ def records(job: str, tasks: Sequence[str] | None, value: str, unit: Sequence[st
     def f(frame: pd.DataFrame) -> pd.DataFrame:
         df = select(frame, job, tasks)
         for col, v in eq.items():
-            if col == "run_variant" and col not in df:  # a frame without run columns: every run is plain
-                continue
-            df = df[df[col].fillna("") == v] if col == "run_variant" else df[df[col] == v] if col in df else df.iloc[:0]
+            df = df[df[col] == v] if col in df else df.iloc[:0]
         if usable is not None and len(df):
             df = df[to_float(df[usable]) > 0]
         if "cot" in df and eq.get("cot") is None:
@@ -93,7 +91,7 @@ def knockout_flips(band_name: str) -> Extractor:
     """Share of items whose decision goes back to the old answer when the band's top keys are
     masked (kvnotes.measure.metrics.flipped_back, the raw pairwise decision): a decision, not a
     window of the signed reversion, which is two-peaked (probe knockout's FLIP_RULE)."""
-    inner = records("knockout", ["gated"], "flipped", condition="band", band=band_name, run_variant="",
+    inner = records("knockout", ["gated"], "flipped", condition="band", band=band_name,
                     note="n = items whose old and new prompts decide differently (raw decision)")
 
     def f(frame: pd.DataFrame) -> pd.DataFrame:
@@ -326,12 +324,12 @@ EXTRACTORS: dict[str, Extractor] = {
                             note="n = prompts", condition="prompt"),
     "write_before_commit": write_before_commit,
     **{f"knockout_{b}": knockout_flips(b) for b in ("early", "mid", "late", "all")},
-    **{f"mass_{k}": records("knockout", ["gated"], f"mass_{k}", condition="mass", run_variant="")
+    **{f"mass_{k}": records("knockout", ["gated"], f"mass_{k}", condition="mass")
        for k in ("field", "downstream", "sink")},
     "heads_top_recovery": records("knockout", ["gated"], "recovery", condition="heads",
-                                  ranking="attention", n_heads=12, run_variant=""),
+                                  ranking="attention", n_heads=12),
     "heads_random_recovery": records("knockout", ["gated"], "recovery", condition="heads",
-                                     ranking="random", n_heads=12, run_variant=""),
+                                     ranking="random", n_heads=12),
     "causal_scrubbing_note": records("scrub", ["gated"], "recovery", condition="note", notes="aggregators"),
     "causal_scrubbing_rest": records("scrub", ["gated"], "recovery", condition="rest", notes="aggregators"),
     "causal_scrubbing_note_attended": records("scrub", ["gated"], "recovery", condition="note", notes="attended"),

@@ -197,9 +197,15 @@ def job_params(frame: pd.DataFrame, run_id: str) -> dict[str, Any]:
     return {}
 
 
+BESIDE = {"knockout": "decisions"}  # job -> run_variant of reruns kept beside its full runs, never pooled with them
+
+
 def select(frame: pd.DataFrame, job: str, tasks: Sequence[str] | None = None) -> pd.DataFrame:
-    """Records of one job, restricted to the first of `tasks` that has records per model."""
+    """Records of one job, restricted to the first of `tasks` that has records per model; a rerun of
+    part of a job's design (BESIDE: a decision-variant knockout) is left out, read from its summary."""
     df = frame[frame["job"] == job] if "job" in frame else frame.iloc[:0]
+    if job in BESIDE and "run_variant" in df:
+        df = df[df["run_variant"].fillna("") != BESIDE[job]]
     if tasks is None or df.empty:
         return df
     keep = []
