@@ -22,9 +22,10 @@ VARIANTS = (("decision", "decision token only"), ("after_notes", "every later qu
 def share_cell(d: Any) -> str:
     """k/n mean [Wilson] (domain cluster lo, hi), or what is missing."""
     if not isinstance(d, dict) or not d.get("n"):
-        return f"- ({d['why']})" if isinstance(d, dict) and d.get("why") else "-"
+        return "- (not recorded)" if isinstance(d, dict) and d.get("why") else "-"
     c = d.get("ci_cluster") or {}
-    cl = f" ({c['ci_lo']:.2f}, {c['ci_hi']:.2f})" if c.get("ci_lo") is not None else ""
+    lo = c.get("ci_lo")
+    cl = f" ({lo:.2f}, {c['ci_hi']:.2f})" if lo is not None and lo == lo else ""  # NaN: one domain
     return f"{d['k']}/{d['n']} {d['mean']:.2f} [{d['ci_lo']:.2f}, {d['ci_hi']:.2f}]{cl}"
 
 
@@ -49,7 +50,8 @@ def knockout_section(frame: pd.DataFrame) -> list[str]:
             "differently, raw (pairwise argmax) and calibrated (the content-free prompt's score subtracted first), "
             "each beside count- and distance-matched random keys; and over all usable items the share whose signed "
             "reversion reaches 0.5 (overshoot past 1.5 included) and the share moving away (reversion < 0). "
-            "k/n, share [Wilson 95 %] (domain cluster bootstrap); the knockout claims read the full run's raw "
+            "k/n, share [Wilson 95 %] (domain cluster bootstrap); \"not recorded\": the run predates the "
+            "content-free score; the knockout claims read the full run's raw "
             "decisions, the wider of the two intervals.", "",
             "| model | run | mask | back (raw) | random (raw) | back (calibrated) | random (calibrated) "
             "| reversion >= 0.5 | moved away |", "|---" * 9 + "|", *rows, ""]

@@ -30,8 +30,11 @@ def test_one_row_per_run_and_mask_with_the_missing_calibration_said(tmp_path):
     text = "\n".join(knockout_section(frame))
     assert text.startswith("## Knockout read as decisions")
     assert ("| `knockout/q/1` | decision token only | 17/32 0.53 [0.36, 0.69] (0.35, 0.70) | 2/32 0.06 [0.02, 0.20] "
-            "(0.01, 0.21) | - (the records carry no content-free score (score_cf)) |") in text
+            "(0.01, 0.21) | - (not recorded) |") in text
     assert "| 30/60 0.50 [0.38, 0.62] (0.37, 0.63) | 22/60 0.37 [0.26, 0.49] (0.25, 0.50) |" in text
     assert "| `knockout/q/1` | every later query | 14/32" in text
     assert "| `knockout/q/2` | decision token only | 17/32 0.53 [0.36, 0.69] (0.35, 0.70) | - | 30/58 0.52" in text
+    one = {"mean": 0.0, "ci_lo": 0.0, "ci_hi": 0.79, "k": 0, "n": 1, "ci_cluster": {"ci_lo": float("nan"), "ci_hi": float("nan")}}
+    (full / "summary.json").write_text(json.dumps({"decision": {"flip_share": one}}))
+    assert "| 0/1 0.00 [0.00, 0.79] | - |" in "\n".join(knockout_section(frame))  # no NaN cluster interval shown
     assert knockout_section(pd.DataFrame([{"job": "patching", "model": "q", "run_id": "p/1", "run_path": "."}])) == []
