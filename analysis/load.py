@@ -69,7 +69,8 @@ def _margin(cfg: dict[str, Any]) -> float | None:
 
 def _variant(job: str | None, cfg: dict[str, Any]) -> str:
     """What sets a run apart from others of its job, model, task and seed: "cot" for a CoT-only edit
-    run; "decisions" for a knockout run without read heads or the after_notes variant; a blend run's workloads ("skills+memory+locomo"), so a run of one workload does not replace
+    run; "decisions" for a knockout run without read heads or the after_notes variant (BESIDE); a
+    blend run's workloads ("skills+memory+locomo"), so a run of one workload does not replace
     a run of others (readers keep the newest run per model and workload: `newest_per_workload`)."""
     exp = cfg.get("experiment") if isinstance(cfg.get("experiment"), dict) else {}
     probe = cfg.get("probe") if isinstance(cfg.get("probe"), dict) else {}

@@ -6,8 +6,9 @@ while every smaller k was scanned) and that set's make-up: its share per prompt 
 aggregator tokens and of the most-attended quarter. Means carry percentile-bootstrap CIs over
 items (random draws averaged per item first), shares of items Wilson intervals, and every
 per-item quantity its quantiles, since one mean hides a two-peaked distribution. Items of one
-domain share its words and filler, so each of these also carries `ci_cluster`, the interval from
-resampling whole domains, and `verdict_ci`, the wider of the two (the one a reading should use).
+domain share its words and filler, so the headline numbers (top-k recoveries, the k80 shares, top-8
+and the k80 set's aggregator and attended shares; not the per-segment shares) also carry
+`ci_cluster`, the interval from resampling whole domains, and `verdict_ci`, the wider of the two.
 """
 
 from __future__ import annotations
