@@ -73,6 +73,22 @@ def test_require_go_runs_once_per_model(monkeypatch):
     assert a is b and a.go and len(calls) == 1
 
 
+def test_a_new_model_never_inherits_a_freed_models_verdict(monkeypatch):
+    """The verdict is keyed on the module, not its id(): ids of freed objects are reused."""
+    import gc
+
+    first = tiny_model("llama")
+    verify.require_go(first, n_probes=1)
+    assert len(verify._VERDICTS) >= 1 and first.hf in verify._VERDICTS
+    del first
+    gc.collect()
+    calls = []
+    real = verify.verify
+    monkeypatch.setattr(verify, "verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+    verify.require_go(tiny_model("llama"), n_probes=1)
+    assert calls == [1]  # verified afresh, whatever id the new module got
+
+
 def test_cli(tmp_path, capsys):
     out = tmp_path / "v.json"
     assert verify.main(["tiny-mistral", "--probes", "1", "--json", str(out)]) == 0

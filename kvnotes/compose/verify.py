@@ -31,6 +31,7 @@ import logging
 import random
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -273,16 +274,19 @@ def verify(model: LoadedModel, n_probes: int = 4, seams: tuple[int, ...] = SEAMS
     return rep
 
 
-_VERDICTS: dict[tuple[int, str, str], Report] = {}
+# model -> (dtype, device) -> its verdict; weakly keyed on the module itself, not on id(): a freed
+# model's id can be reused by the next one, which would then inherit the freed model's verdict
+_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, str], Report]] = weakref.WeakKeyDictionary()
 
 
 def require_go(model: LoadedModel, force: bool = False, **kwargs: Any) -> Report:
     """The verification of `model` (run once per model object); raises NoGoError on no-go unless
     `force`, in which case the report is returned and a warning logged."""
-    key = (id(model.hf), str(model.dtype), str(model.device))
-    if key not in _VERDICTS:
-        _VERDICTS[key] = verify(model, **kwargs)
-    rep = _VERDICTS[key]
+    known = _VERDICTS.setdefault(model.hf, {})
+    key = (str(model.dtype), str(model.device))
+    if key not in known:
+        known[key] = verify(model, **kwargs)
+    rep = known[key]
     if not rep.go:
         msg = f"verification of {model.name} says no-go: {'; '.join(rep.reasons)}"
         if not force:

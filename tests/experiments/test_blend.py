@@ -8,6 +8,7 @@ correct rotation leaves no key deviation there.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -268,7 +269,7 @@ def test_no_go_stops_the_run_unless_forced(tmp_path, model, monkeypatch):
 
     bad = verify.Report("tiny-llama", "llama", "float32", True, verify.THRESHOLDS["float32"],
                         reasons=["rope offset_rel 1.0e+00 > 0.001"])
-    monkeypatch.setattr(verify, "_VERDICTS", {(id(model.hf), str(model.dtype), str(model.device)): bad})
+    monkeypatch.setattr(verify, "_VERDICTS", weakref.WeakKeyDictionary({model.hf: {(str(model.dtype), str(model.device)): bad}}))
     ctx = context(tmp_path / "a", model, "experiment.workloads=[skills]", "experiment.n_items=1")
     with pytest.raises(verify.NoGoError, match="offset_rel"):
         exp.run(ctx)
