@@ -21,6 +21,16 @@ def ci_cell(v: Any, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, (int, float)) else "-"
 
 
+def cluster_pair(d: Any, digits: int = 2) -> str:
+    """' (lo, hi)' of a summary cell's domain-cluster interval (`ci_cluster`), '' when it has none
+    or it is NaN (one cluster)."""
+    c = d.get("ci_cluster") if isinstance(d, dict) else None
+    lo = c.get("ci_lo") if isinstance(c, dict) else None
+    if lo is None or lo != lo:
+        return ""
+    return f" ({lo:.{digits}f}, {c['ci_hi']:.{digits}f})"
+
+
 def _mean(v: Any) -> float | None:
     return v.get("mean") if isinstance(v, dict) else v if isinstance(v, (int, float)) else None
 

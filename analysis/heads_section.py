@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.aggregate import model_label
-from analysis.blend_section import ci_cell
+from analysis.blend_section import ci_cell, cluster_pair
 from analysis.load import summaries
 
 RANKINGS = (("attention", "attention to the notes"), ("effect_heldout", "effect on the other items (held out)"),
@@ -82,13 +82,8 @@ def frozen_lines(frame: pd.DataFrame) -> list[str]:
     for model, run_id, s in runs:
         k = k_of[run_id]
         cells = s.get(f"recovery_k{k}") or {}
-
-        def cell(d: Any) -> str:
-            c = d.get("ci_cluster") if isinstance(d, dict) else None
-            return ci_cell(d, 2) + (f" ({c['ci_lo']:.2f}, {c['ci_hi']:.2f})" if isinstance(c, dict) else "")
-
         lines.append(f"| {model_label(model)} | {task.get(run_id, '?')} | {s.get('n_usable')} | {k} | "
-                     + " | ".join(cell(cells.get(rk)) for rk, _ in present)
+                     + " | ".join(ci_cell(cells.get(rk), 2) + cluster_pair(cells.get(rk)) for rk, _ in present)
                      + f" | `{', '.join(s['frozen'].get('source_run') or [])}` |")
     return lines + [""]
 

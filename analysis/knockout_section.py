@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.aggregate import model_label
+from analysis.blend_section import ci_cell, cluster_pair
 from analysis.load import summaries
 
 VARIANTS = (("decision", "decision token only"), ("after_notes", "every later query"))
@@ -23,10 +24,7 @@ def share_cell(d: Any) -> str:
     """k/n mean [Wilson] (domain cluster lo, hi), or what is missing."""
     if not isinstance(d, dict) or not d.get("n"):
         return "- (not recorded)" if isinstance(d, dict) and d.get("why") else "-"
-    c = d.get("ci_cluster") or {}
-    lo = c.get("ci_lo")
-    cl = f" ({lo:.2f}, {c['ci_hi']:.2f})" if lo is not None and lo == lo else ""  # NaN: one domain
-    return f"{d['k']}/{d['n']} {d['mean']:.2f} [{d['ci_lo']:.2f}, {d['ci_hi']:.2f}]{cl}"
+    return f"{d['k']}/{d['n']} {ci_cell(d, 2)}{cluster_pair(d)}"
 
 
 def knockout_section(frame: pd.DataFrame) -> list[str]:

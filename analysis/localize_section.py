@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.aggregate import model_label
-from analysis.blend_section import ci_cell
+from analysis.blend_section import ci_cell, cluster_pair
 from analysis.distance_section import size_of
 from analysis.load import newest_summaries
 
@@ -20,10 +20,8 @@ TITLE = "Where the notes are: positions ranked on held-out items"
 
 def cluster_note(d: Any, digits: int = 2) -> str:
     """' (domain cluster [lo, hi])' of a summary cell that carries one, else ''."""
-    c = d.get("ci_cluster") if isinstance(d, dict) else None
-    if not isinstance(c, dict) or c.get("ci_lo") is None or c["ci_lo"] != c["ci_lo"]:
-        return ""
-    return f" (domain cluster [{c['ci_lo']:.{digits}f}, {c['ci_hi']:.{digits}f}])"
+    pair = cluster_pair(d, digits)
+    return f" (domain cluster [{pair[2:-1]}])" if pair else ""
 
 
 def size_cell(d: Any) -> str:
