@@ -24,6 +24,7 @@ import pandas as pd
 
 from analysis import load
 from analysis.aggregate import model_label, reference, to_float
+from analysis.attribution_section import attribution_section
 from analysis.blend_section import blend_section
 from analysis.claims import all_claims
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
@@ -355,6 +356,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
     lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *knockout_section(frame), *heads_section(frame),
               *distance_section(frame, dist_png), *order_section(frame), *localize_section(frame, loc_png),
+              *attribution_section(frame, results),
               *(dtype_section(results) if Path(results).is_dir() else [])]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs not from a clean commit", "", *dirty_section(frame), "",

@@ -40,7 +40,15 @@ from kvnotes.compose.blend import Method
 from kvnotes.compose.verify import NoGoError, require_go
 from kvnotes.engine import run as engine
 from kvnotes.errors import ConfigError
-from kvnotes.measure.metrics import ci_dict, kl_divergence, logit_cosine, top1_agree, wilson_ci
+from kvnotes.measure.metrics import (
+    ci_dict,
+    cluster_bootstrap_ci,
+    kl_divergence,
+    logit_cosine,
+    top1_agree,
+    wider,
+    wilson_ci,
+)
 from kvnotes.measure.timing import measure, torch_threads
 from kvnotes.tasks import locomo
 
@@ -211,19 +219,64 @@ def _prop(values: Any) -> dict[str, float | int]:
     return {"mean": p, "ci_lo": lo, "ci_hi": hi, "n": len(x)}
 
 
+def clusters_of(g: pd.DataFrame) -> list[str]:
+    """The unit items share, per row: a LoCoMo item's conversation (`locomo/<conversation>/q..`),
+    else the item's domain (a skills prompt's skill set, a memory prompt's topic)."""
+    return [i.split("/")[1] if w == "locomo" else str(d)
+            for i, w, d in zip(g["item_id"], g["workload"], g["domain"], strict=True)]
+
+
+def _with_cluster(d: dict[str, Any], values: Any, clusters: list[str], n_boot: int) -> dict[str, Any]:
+    """A summary cell with its cluster-bootstrap interval beside the item one (`ci_cluster`)."""
+    return d | {"ci_cluster": cluster_bootstrap_ci(np.asarray(values, float), clusters, n_boot=n_boot)}
+
+
 def method_stats(g: pd.DataFrame, n_boot: int) -> dict[str, Any]:
     binary = bool(g["task_score"].dropna().isin([0.0, 1.0]).all())
     task = _prop if binary else (lambda v: ci_dict(v, n_boot))
+    cl = clusters_of(g)
+    delta = np.asarray(g["task_score"], float) - np.asarray(g["task_score_full"], float)
     return {
         "method": str(g["method"].iloc[0]), "setting": float(g["setting"].iloc[0]),
         "recompute_fraction": float(g["recompute_fraction"].mean()),
-        "cosine": ci_dict(g["cosine"], n_boot), "kl": ci_dict(g["kl"], n_boot),
+        "cosine": _with_cluster(ci_dict(g["cosine"], n_boot), g["cosine"], cl, n_boot), "kl": ci_dict(g["kl"], n_boot),
         "top1_agree": _prop(g["top1_agree"].astype(float)),
         "decision_agree": _prop(g["decision_agree"].astype(float)),
-        "task_score": task(g["task_score"]), "task_score_full": task(g["task_score_full"]),
-        "task_delta": ci_dict(np.asarray(g["task_score"], float) - np.asarray(g["task_score_full"], float), n_boot),
+        "task_score": _with_cluster(task(g["task_score"]), g["task_score"], cl, n_boot),
+        "task_score_full": task(g["task_score_full"]),
+        "task_delta": _with_cluster(ci_dict(delta, n_boot), delta, cl, n_boot),
         "ttft_ratio": ci_dict(g["ttft_ratio"], n_boot),
     }
+
+
+def versus_cacheblend(gw: pd.DataFrame, n_boot: int) -> dict[str, Any]:
+    """Per budget r and per method at r (attribution, query-aware, note-aware): the paired
+    difference in task score and logit cosine, method - CacheBlend at the same r, over the items
+    both ran (item bootstrap and the cluster bootstrap of clusters_of). `beats` lists the methods
+    whose difference in task score has its wider interval wholly above 0; `beats_disjoint` those
+    whose own task-score interval lies wholly above CacheBlend's (the issue's reading: intervals
+    that do not overlap)."""
+    wide = {m: g.set_index("item_id") for m, g in gw.groupby("name", sort=False)}
+    out: dict[str, Any] = {}
+    for cb in [n for n in wide if n.startswith("cacheblend@")]:
+        budget = cb.split("@", 1)[1]
+        ref = wide[cb]
+        rows: dict[str, Any] = {}
+        for name in [n for n in wide if n.endswith(f"@{budget}") and n != cb and not n.startswith("kvboost")]:
+            both = wide[name].index.intersection(ref.index)
+            a, b = wide[name].loc[both], ref.loc[both]
+            cl = clusters_of(a.reset_index())
+            row: dict[str, Any] = {"n": len(both)}
+            for metric in ("task_score", "cosine"):
+                d = np.asarray(a[metric], float) - np.asarray(b[metric], float)
+                row[metric] = _with_cluster(ci_dict(d, n_boot), d, cl, n_boot)
+            sa, sb = (ci_dict(x["task_score"], n_boot) for x in (a, b))
+            row["disjoint"] = bool(sa["ci_lo"] > sb["ci_hi"])
+            rows[name] = row
+        beats = [n for n, r in rows.items() if wider(r["task_score"], r["task_score"]["ci_cluster"])["ci_lo"] > 0]
+        out[budget] = {"cacheblend": cb, "methods": rows, "beats": beats,
+                       "beats_disjoint": [n for n, r in rows.items() if r["disjoint"]]}
+    return out
 
 
 def frontier(methods: dict[str, dict[str, Any]], budgets: list[float]) -> dict[str, Any]:
@@ -264,6 +317,7 @@ def summarize(records: list[dict[str, Any]], cfg: BlendConfig) -> dict[str, Any]
             "n_block_tokens_mean": float(gw["n_block_tokens"].mean()), "methods": methods,
             "frontier": frontier(methods, [*cfg.budgets, 1.0]),
             "within_1pct_at_15pct": target,
+            "versus_cacheblend": versus_cacheblend(gw, cfg.n_boot),
         }
     return out
 

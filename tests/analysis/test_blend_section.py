@@ -96,3 +96,15 @@ def test_kvboost_rows_say_what_ran_and_identical_rows_are_named(tmp_path):
     s["workloads"]["skills"]["methods"]["kvboost selective@16"]["cosine"] = _m(0.95)
     text = "\n".join(blend_section(_frame(tmp_path / "b", [("blend/qwen-1.5b/2026-01-01", "qwen-1.5b", s)])))
     assert "gave the same mean" not in text
+
+
+def test_the_paired_comparison_with_cacheblend_is_shown_with_its_cluster_interval(tmp_path):
+    s = _summary(0.975)
+    diff = _m(0.2, 0.1, 0.3) | {"ci_cluster": {"mean": 0.2, "ci_lo": 0.05, "ci_hi": 0.35}}
+    s["workloads"]["locomo"] = s["workloads"].pop("skills") | {"versus_cacheblend": {"15%": {
+        "cacheblend": "cacheblend@15%", "beats": ["attribution@15%"], "beats_disjoint": [],
+        "methods": {"attribution@15%": {"n": 48, "task_score": diff, "cosine": _m(0.001, -0.001, 0.003),
+                                        "disjoint": False}}}}}
+    text = "\n".join(blend_section(_frame(tmp_path, [("blend/qwen-1.5b/2026-01-01", "qwen-1.5b", s)])))
+    assert "(conversation cluster bootstrap)" in text
+    assert "| 15% | attribution@15% | 48 | 0.200 [0.100, 0.300] (0.050, 0.350) | 0.0010 [-0.0010, 0.0030] | yes | no |" in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -246,6 +247,8 @@ def test_summary_has_cis_and_a_frontier(blend_run):
         m = out["methods"]["cacheblend@15%"]
         assert {"mean", "ci_lo", "ci_hi", "n"} <= set(m["cosine"]) and m["top1_agree"]["n"] == out["n_items"]
         assert set(out["frontier"]) == {"0.15", "1"}
+        assert m["task_delta"]["ci_cluster"]["interval"] == "cluster-bootstrap"
+        assert "cacheblend@15%" == out["versus_cacheblend"]["15%"]["cacheblend"]
         best = out["frontier"]["1"]["cosine"]
         assert best["name"] in ("seam@10000", "cacheblend@100%") and best["value"] > 0.99999
         assert out["frontier"]["0.15"]["cosine"]["recompute_fraction"] <= 0.15 + exp.BUDGET_TOL
@@ -261,6 +264,31 @@ def test_frontier_prefers_the_cheaper_method_on_a_tie():
     f = frontier(ms, [0.05, 0.15, 1.0])
     assert f["0.05"]["cosine"]["name"] == "b" and f["0.15"]["cosine"]["name"] == "d"  # 15 % rounded up
     assert f["1"]["cosine"]["name"] == "c" and f["1"]["task_score"]["name"] == "b"
+
+
+def test_versus_cacheblend_pairs_items_and_resamples_conversations():
+    import pandas as pd
+
+    from experiments.blend import clusters_of, versus_cacheblend
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for conv in range(6):
+        for q in range(4):
+            base = float(rng.uniform(0.2, 0.6))
+            for name, score in (("cacheblend@15%", base), ("attribution@15%", base + 0.3),
+                                ("query_aware@15%", base), ("notes@5%", 1.0)):
+                rows.append({"item_id": f"locomo/conv-{conv}/q{q:03d}", "workload": "locomo", "domain": "single-hop",
+                             "name": name, "task_score": score, "cosine": 0.9})
+    df = pd.DataFrame(rows)
+    assert clusters_of(df.head(2)) == ["conv-0", "conv-0"]
+    v = versus_cacheblend(df, n_boot=200)
+    assert set(v) == {"15%"} and set(v["15%"]["methods"]) == {"attribution@15%", "query_aware@15%"}
+    att = v["15%"]["methods"]["attribution@15%"]
+    assert att["n"] == 24 and att["task_score"]["mean"] == pytest.approx(0.3)
+    assert att["task_score"]["ci_cluster"]["n_clusters"] == 6
+    assert v["15%"]["beats"] == ["attribution@15%"]  # a tie (query_aware) does not beat it
+    assert v["15%"]["beats_disjoint"] == ["attribution@15%"]
 
 
 def test_no_go_stops_the_run_unless_forced(tmp_path, model, monkeypatch):
