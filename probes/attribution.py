@@ -14,6 +14,7 @@ top-k overlaps, top-k recoveries and the cost of each map.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from scipy.stats import spearmanr
 
 from kvnotes.edit.attribution import METHODS, attribute_cache, encode, to_recovery, top_positions
 from kvnotes.edit.patching import PatchPair, patched_scores, recoveries
-from kvnotes.measure.metrics import ci_dict
+from kvnotes.measure.metrics import ci_dict, cluster_bootstrap_ci
 from kvnotes.measure.timing import measure
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
@@ -35,6 +36,9 @@ class AttributionConfig:
     margin: float | None = None  # None: the model config's margin
     exact: bool = True  # the exact per-position map over the field and after (Spearman needs it)
     exact_layers: bool = True  # the exact position x layer map too (one variant per position and layer)
+    # None: every position x layer cell is read exactly; n: a uniform random sample of n cells per
+    # item (seeded by the item id), whose Spearman estimates the full one at a fraction of the cost
+    layer_cells: int | None = None
     top_k: list[int] = field(default_factory=lambda: [8, 32])  # overlaps; the first k is also patched jointly
     batch_size: int | None = None  # patched variants per forward; None: sized from the free memory
     unit_size: int = 1  # items per resumable unit
@@ -47,6 +51,8 @@ class AttributionConfig:
             raise ValueError(f"top_k must be a non-empty list of ints >= 1, got {self.top_k}")
         if self.exact_layers and not self.exact:
             raise ValueError("exact_layers=true needs exact=true")
+        if self.layer_cells is not None and self.layer_cells < 3:
+            raise ValueError(f"layer_cells must be >= 3 (a Spearman needs three cells) or null, got {self.layer_cells}")
         if (self.batch_size is not None and self.batch_size < 1) or self.unit_size < 0:
             raise ValueError("batch_size must be >= 1 and unit_size >= 0")
 
@@ -115,19 +121,45 @@ def item_records(
     return out
 
 
+LAYER_CHECK = 1024  # with every cell read, the Spearman over a sample this size is recorded too
+
+
+def _cell_sample(item_id: str, n_cells: int, k: int) -> np.ndarray:
+    """Indices of a uniform random sample of k of n_cells cells (all when k >= n_cells), sorted;
+    seeded by the item id, so a rerun and a full run of the same item draw the same cells."""
+    if k >= n_cells:
+        return np.arange(n_cells)
+    rng = np.random.default_rng(zlib.crc32(item_id.encode()))
+    return np.sort(rng.choice(n_cells, size=k, replace=False))
+
+
 def _layer_agreement(model: LoadedModel, pair: PatchPair, qk: np.ndarray, lin: np.ndarray,
                      cfg: AttributionConfig) -> dict[str, Any]:
-    """Spearman over position x layer cells (exact: one variant per cell) and the layer where the
-    estimate misses most (largest summed |attribution - exact| recovery over positions)."""
-    cand, layers = pair.field_to_end, list(range(model.n_layers))
-    cells = [(p, la) for p in cand for la in layers]
-    s = patched_scores(model, pair, [[p] for p, _ in cells], [[la] for _, la in cells], batch_size=cfg.batch_size)
-    exact = recoveries(pair, s).reshape(len(cand), len(layers))  # [pos, layer]
-    est_qk, est_lin = (to_recovery(pair, m[cand]) for m in (qk, lin))  # [pos, layer]
-    miss = np.nansum(np.abs(est_qk - exact), axis=0)  # [layer]
-    return {"spearman_position_layer": _spearman(est_qk.ravel(), exact.ravel()),
-            "spearman_position_layer_linear": _spearman(est_lin.ravel(), exact.ravel()),
-            "worst_layer": int(np.argmax(miss)), "worst_rel_layer": float(np.argmax(miss) / max(1, len(layers) - 1))}
+    """Spearman over position x layer cells (exact: one variant per cell read) and the layer where
+    the estimate misses most (largest mean |attribution - exact| recovery over its cells read).
+
+    With `layer_cells` set, only a uniform random sample of the cells is read; the Spearman over
+    it estimates the full one (`n_layer_cells` says how many cells were read). With every cell
+    read, the Spearman over the LAYER_CHECK-cell sample of the same draw is recorded as well
+    (`spearman_position_layer_sampled`), which measures that estimator's error on real items."""
+    cand, n_layers = pair.field_to_end, model.n_layers
+    n_cells = len(cand) * n_layers
+    read = _cell_sample(pair.item.item_id, n_cells, cfg.layer_cells) if cfg.layer_cells else np.arange(n_cells)
+    pos, lay = np.asarray(cand)[read // n_layers], read % n_layers
+    s = patched_scores(model, pair, [[int(p)] for p in pos], [[int(la)] for la in lay], batch_size=cfg.batch_size)
+    exact = np.full(n_cells, np.nan)
+    exact[read] = recoveries(pair, s)
+    est_qk, est_lin = (to_recovery(pair, m[cand]).ravel() for m in (qk, lin))  # [pos * layer]
+    miss = np.abs(est_qk - exact).reshape(len(cand), n_layers)
+    per_layer = np.array([np.nanmean(c) if np.isfinite(c).any() else -np.inf for c in miss.T])  # [layer]
+    out = {"spearman_position_layer": _spearman(est_qk[read], exact[read]),
+           "spearman_position_layer_linear": _spearman(est_lin[read], exact[read]),
+           "n_layer_cells": len(read), "n_layer_cells_all": n_cells,
+           "worst_layer": int(np.argmax(per_layer)), "worst_rel_layer": float(np.argmax(per_layer) / max(1, n_layers - 1))}
+    if len(read) == n_cells and n_cells > LAYER_CHECK:
+        sub = _cell_sample(pair.item.item_id, n_cells, LAYER_CHECK)
+        out["spearman_position_layer_sampled"] = _spearman(est_qk[sub], exact[sub])
+    return out
 
 
 def run(model: LoadedModel, items: Sequence[TaskItem], cfg: AttributionConfig) -> list[dict[str, Any]]:
@@ -135,7 +167,9 @@ def run(model: LoadedModel, items: Sequence[TaskItem], cfg: AttributionConfig) -
 
 
 STATS = ("spearman_position", "spearman_position_linear", "spearman_position_layer",
-         "spearman_position_layer_linear", "sign_agree", "qk_change", "attribution_s", "exact_s")
+         "spearman_position_layer_linear", "spearman_position_layer_sampled", "n_layer_cells", "n_layer_cells_all",
+         "sign_agree", "qk_change", "attribution_s", "exact_s")
+CLUSTERED = ("spearman_position", "spearman_position_layer", "sign_agree")  # + overlaps and recoveries
 
 
 def summarize(records: Sequence[Mapping[str, Any]], cfg: AttributionConfig) -> dict[str, Any]:
@@ -146,6 +180,19 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: AttributionConfig) -> d
     stats = {n: ci_dict([float(r.get(n, np.nan)) for r in rows], n_boot=cfg.n_boot) for n in names
              if any(n in r for r in rows)}
     out["stats"] = stats
+    # items share a domain (its templates and rules): the domain-cluster bootstrap beside the item one
+    domains = [str(r.get("domain", "")) for r in rows]
+    out["stats_cluster"] = {
+        n: cluster_bootstrap_ci([float(r.get(n, np.nan)) for r in rows], domains, n_boot=cfg.n_boot)
+        for n in (*CLUSTERED, *(f"overlap_{k}" for k in cfg.top_k),
+                  *(f"recovery_top{cfg.top_k[0]}_{w}" for w in ("attribution", "exact")))
+        if n in stats}
+    pairs = [(float(r["spearman_position_layer"]), float(r["spearman_position_layer_sampled"]))
+             for r in rows if "spearman_position_layer_sampled" in r]
+    if pairs:  # how far the LAYER_CHECK-cell estimate falls from the full position x layer Spearman
+        err = np.array([b - a for a, b in pairs])
+        out["layer_sample_error"] = {"cells": LAYER_CHECK, "mean": float(np.nanmean(err)),
+                                     "max_abs": float(np.nanmax(np.abs(err))), "n": int(np.isfinite(err).sum())}
     out["spearman_position"] = stats.get("spearman_position", {}).get("mean", float("nan"))
     a, e = (stats.get(f"recovery_top{cfg.top_k[0]}_{w}", {}).get("mean") for w in ("attribution", "exact"))
     if a is not None and e:

@@ -66,8 +66,27 @@ def test_without_the_exact_map_only_the_top_is_read(model, items):
     assert "spearman_position" not in row and "recovery_top3_attribution" in row
 
 
+def test_sampled_layer_cells_estimate_the_full_map_on_the_same_draw(model, items, monkeypatch):
+    """layer_cells=n reads n cells; a full run records the Spearman over the same seeded draw
+    (LAYER_CHECK cells), so the two agree exactly and the summary reports the estimator's error."""
+    monkeypatch.setattr(attribution, "LAYER_CHECK", 40)
+    full = attribution.run(model, items[1:2], attribution.AttributionConfig(margin=1e-3, top_k=[4]))
+    part = attribution.run(model, items[1:2], attribution.AttributionConfig(margin=1e-3, top_k=[4], layer_cells=40))
+    f, p = _by(full, "item")[0], _by(part, "item")[0]
+    assert p["n_layer_cells"] == 40 and f["n_layer_cells"] == f["n_layer_cells_all"] == p["n_layer_cells_all"] > 40
+    assert "spearman_position_layer_sampled" not in p
+    assert p["spearman_position_layer"] == pytest.approx(f["spearman_position_layer_sampled"], abs=1e-12)
+    assert 0 <= p["worst_layer"] < model.n_layers
+    s = attribution.summarize(full + full, attribution.AttributionConfig(top_k=[4]))
+    assert s["layer_sample_error"]["cells"] == 40 and s["layer_sample_error"]["n"] == 2
+    assert s["layer_sample_error"]["max_abs"] == pytest.approx(
+        abs(f["spearman_position_layer_sampled"] - f["spearman_position_layer"]))
+    assert s["stats_cluster"]["spearman_position"]["interval"] == "cluster-bootstrap"
+
+
 def test_config_refuses_bad_values():
-    for bad in (dict(top_k=[]), dict(top_k=[0]), dict(exact=False, exact_layers=True), dict(margin=-1.0)):
+    for bad in (dict(top_k=[]), dict(top_k=[0]), dict(exact=False, exact_layers=True), dict(margin=-1.0),
+                dict(layer_cells=2)):
         with pytest.raises(ValueError):
             attribution.AttributionConfig(**bad)
 
