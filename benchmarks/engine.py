@@ -35,7 +35,13 @@ timed region (kvnotes.measure.timing). Medians over repeats; ratios are ratios o
   `--kvboost PYTHON` runs kvboost 0.9.0 as it ships (its own venv, experiments/shared/kvboost_worker.py)
   on the same eight-block prompt, `--reps` times per mode: its `none`, `selective` and `cacheblend`
   strategies, each TTFT (wall clock from the call to the first token) against kvboost's own full
-  prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`).
+  prefill, and each first-token logit cosine to that prefill (`kvboost_<mode>_speedup`, `_cosine`),
+  in three setups: today's per-chunk warm of 64-token chunks (no prefix; every chunk after the
+  first is then an approximate match and kvboost runs CacheBlend, a full prefill inside, in every
+  mode: `_cacheblend_forced`), kvboost's documented long-context configuration (`doc_<mode>`:
+  chunk 128, one warm of the context, boundary window 16, overlap_k 16, sink 32) and its fastest
+  exact path here (`blk_<mode>`: one warm, one chunk per block). Compare kvnotes with `blk_none`
+  (eight blocks at K = 0) and `blk_selective` (K = 4), where both sides run as fast as they can.
 * in place (kvnotes.compose.inplace: the stored blocks attended where they lie, queries rotated
   instead of keys, no copy): the one block from the device tier (`inplace_share_of_limit`), the
   eight blocks at K = 4 (`multiblock_inplace_share_of_limit`) and at K = 0

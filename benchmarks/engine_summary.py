@@ -103,7 +103,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("tier_device_speedup", "dev x", "{:.1f}"), ("tier_host_speedup", "host x", "{:.1f}"),
             ("tier_disk_speedup", "disk x", "{:.1f}"), ("tier_disk_warm_speedup", "warm x", "{:.1f}"), ("multiblock_k1_share_of_limit", "k1/limit", "{:.2f}"),
             ("kvboost_none_speedup", "kvb none x", "{:.2f}"), ("kvboost_selective_speedup", "kvb sel x", "{:.2f}"),
-            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("map_ratio", "map", "{:.2f}"),
+            ("kvboost_cacheblend_speedup", "kvb cb x", "{:.2f}"), ("kvboost_doc_none_speedup", "kvb doc none", "{:.2f}"),
+            ("kvboost_doc_cacheblend_speedup", "kvb doc cb", "{:.2f}"), ("kvboost_blk_none_speedup", "kvb blk none", "{:.2f}"),
+            ("kvboost_blk_selective_speedup", "kvb blk sel", "{:.2f}"), ("map_ratio", "map", "{:.2f}"),
             ("attribution_ratio", "attrib", "{:.3f}"), ("estimate_gib", "est GiB", "{:.1f}"), ("peak_gib", "peak GiB", "{:.1f}")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     lines = [" ".join(f"{h:>11}" for _, h, _ in cols)]

@@ -199,14 +199,18 @@ def test_kvboost_side_by_side_reads_the_worker_after_its_warm_up_item(monkeypatc
     seen = {}
 
     def fake_worker(python, model, confs, items, chunk_size, timeout_s):
-        seen["items"] = items
+        seen["items"], seen["confs"] = items, confs
         ref = torch.tensor([1.0, 2.0, 3.0])
+        times = {"baseline": 2.0, "none": 0.1, "selective": 0.5, "cacheblend": 2.5}
         res, logits = [], {}
         for it in items:
             slow = 100.0 if it["key"] == "r0" else 1.0  # the warm-up item: dropped
-            for conf, t in (("baseline", 2.0), ("none", 0.1), ("selective", 0.5), ("cacheblend", 2.5)):
-                res.append({"key": it["key"], "config": conf, "ttft_s": t * slow, "kv_reuse_ratio": 0.9})
-                logits[(it["key"], conf)] = ref if conf != "none" else torch.tensor([1.0, 2.0, 2.0])
+            for conf in ("baseline", *confs):
+                mode = conf.split("_")[-1]
+                t = times[mode] * (0.5 if conf.startswith("blk_") else 1.0)
+                res.append({"key": it["key"], "config": conf, "ttft_s": t * slow, "reported_ttft_ms": 1000 * t,
+                            "kv_reuse_ratio": 0.9, "approximate_hits": int(confs.get(conf, {}).get("warm") == "chunks")})
+                logits[(it["key"], conf)] = ref if mode != "none" else torch.tensor([1.0, 2.0, 2.0])
         return res, logits
 
     monkeypatch.setattr(_kvboost, "run_worker", fake_worker)
@@ -215,7 +219,13 @@ def test_kvboost_side_by_side_reads_the_worker_after_its_warm_up_item(monkeypatc
     assert row["kvboost_full_s"] == pytest.approx(2.0)
     assert row["kvboost_none_speedup"] == pytest.approx(20) and row["kvboost_cacheblend_speedup"] == pytest.approx(0.8)
     assert row["kvboost_selective_cosine"] == pytest.approx(1.0) and row["kvboost_none_cosine"] < 1
-
+    # today's driving (per-chunk warm, 64) beside kvboost's documented setup and one chunk per block
+    assert set(seen["confs"]) == {f"{t}{m}" for t in ("", "doc_", "blk_") for m in ("none", "selective", "cacheblend")}
+    assert seen["confs"]["doc_none"]["chunk_size"] == 128 and seen["confs"]["doc_none"]["engine"]["overlap_k"] == 16
+    assert seen["confs"]["blk_selective"]["chunk_size"] == 3 and seen["confs"]["blk_none"]["warm"] == "context"
+    assert row["kvboost_blk_none_speedup"] == pytest.approx(40) and row["kvboost_doc_none_speedup"] == pytest.approx(20)
+    assert row["kvboost_none_cacheblend_forced"] and not row["kvboost_blk_none_cacheblend_forced"]
+    assert row["kvboost_blk_none_reported_speedup"] == pytest.approx(40)
 
 def _shape_folder(tmp_path, config):
     from kvnotes.models.tiny import tiny_tokenizer
