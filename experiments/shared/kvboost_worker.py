@@ -42,7 +42,11 @@ def _timed(engine: Any, text: str, mode: Any, max_new: int) -> tuple[Any, float]
 
 
 def main(job_path: str, out_dir: str) -> int:
-    # deferred: this worker runs in kvboost's own venv (.venv-kvboost); nothing is imported at module level
+    # deferred: this worker runs in kvboost's own venv (.venv-kvboost); nothing is imported at module level.
+    # Python puts this file's folder first on the path, and it holds kvnotes' driver (kvboost.py):
+    # drop it, or `import kvboost` finds the driver instead of the package
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import numpy as np
     import torch
     from kvboost import GenerationMode, KVBoost

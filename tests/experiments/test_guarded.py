@@ -117,3 +117,15 @@ def test_run_guarded_returns_the_output_and_kills_the_group_on_timeout(tmp_path)
     with pytest.raises(subprocess.TimeoutExpired):
         run_guarded([sys.executable, "-c", code], timeout=5)
     assert _wait(lambda: not any(_alive(p) for p in _pids(log)), 10)
+
+
+def test_the_kvboost_worker_imports_the_package_not_the_driver_beside_it(tmp_path):
+    """The worker's folder holds experiments/shared/kvboost.py (the driver); Python puts that folder
+    first on the path, so without care `import kvboost` in the worker finds the driver."""
+    pkg = tmp_path / "site" / "kvboost"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise SystemExit(17)  # the real package would be imported here\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/shared/kvboost_worker.py"),
+                           str(tmp_path / "job.json"), str(tmp_path / "out")], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 17, proc.stderr.decode()[-800:]
