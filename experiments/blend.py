@@ -71,6 +71,9 @@ PROMPT_AROUND = 256  # tokens of system prompt + question around a workload's bl
 class BlendConfig:
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     n_items: int = 12  # per workload
+    # [start, stop): run only these of the n_items built per workload (a shard of a run too long
+    # for one session; `python -m analysis.reference --merge` joins shards into one run)
+    item_slice: list[int] | None = None
     skills_length: int = 600  # tokens per skills prompt (3 skill blocks)
     memory_blocks: int = 6
     memory_block_tokens: int = 150
@@ -101,6 +104,10 @@ class BlendConfig:
             raise ConfigError(f"seams >= 1 and budgets in (0, 1] are needed: {self.seams}, {self.budgets}")
         if not self.note_seams or any(s < 0 for s in self.note_seams):
             raise ConfigError(f"note_seams must be a non-empty list of ints >= 0, got {self.note_seams}")
+        if self.item_slice is not None and (len(self.item_slice) != 2
+                                            or not 0 <= self.item_slice[0] < self.item_slice[1] <= self.n_items):
+            raise ConfigError(f"item_slice must be [start, stop) with 0 <= start < stop <= n_items "
+                              f"({self.n_items}), got {self.item_slice}")
         if self.check_layer < 0 or self.timing_repeats < 1 or self.verify_probes < 1:
             raise ConfigError("check_layer >= 0, timing_repeats >= 1 and verify_probes >= 1 are needed")
 
@@ -363,6 +370,8 @@ def run(ctx: Context) -> None:
             ctx.write(key, [verify_record(rep, cfg.force and not rep.go)])
         for w in cfg.workloads:
             items = build_items(ctx, cfg, w)
+            if cfg.item_slice is not None:  # the items are built in full first: a shard's are the run's
+                items = items[cfg.item_slice[0]:cfg.item_slice[1]]
             units = {f"{w}:{it.item_id}": it for it in items}
             for key in ctx.pending(list(units), desc=f"blend {w}"):
                 ctx.write(key, item_records(ctx.model, units[key], cfg))

@@ -8,6 +8,7 @@ correct rotation leaves no key deviation there.
 
 from __future__ import annotations
 
+import json
 import weakref
 from pathlib import Path
 
@@ -179,6 +180,58 @@ def test_config_validates_and_refuses_bad_values():
     with pytest.raises(ConfigError, match="locomo_path"):
         missing.params.check_inputs()
 
+
+
+def _as_run_dir(root: Path, ctx, stamp: str) -> Path:
+    """A finished clean run folder (as the runner leaves it) of a context the test ran."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    d = root / "blend" / "tiny-llama" / stamp
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(OmegaConf.to_yaml(ctx.cfg))
+    (d / "meta.json").write_text(json.dumps({"status": "completed", "start_time": stamp, "end_time": stamp,
+                                             "git": {"commit": "0123456789abcdef", "dirty": False},
+                                             "attempts": [{"git_commit": "0123456789abcdef", "dirty": False}]}))
+    ctx.writer.read().to_parquet(d / "records.parquet", index=False)
+    (d / "summary.json").write_text(json.dumps({"finished": stamp}))
+    return d
+
+
+def test_shards_of_a_sliced_run_merge_into_the_whole_run(tmp_path, model, monkeypatch):
+    """item_slice runs a shard of the items built; --merge joins shards into the run they split:
+    the same records (timings aside), the verify record once, and the summary over every item."""
+    import pandas as pd
+
+    from analysis import reference
+    from experiments import blend as exp
+
+    monkeypatch.setattr(reference, "in_history", lambda commit, where: True)
+    over = ("experiment.workloads=[skills]", "experiment.n_items=3", "experiment.seams=[4]",
+            "experiment.budgets=[0.15]", "experiment.note_seams=[0]")
+    runs = {}
+    for tag, sl in (("whole", None), ("a", "[0,1]"), ("b", "[1,3]")):
+        ctx = context(tmp_path / tag, model, *over, *([f"experiment.item_slice={sl}"] if sl else []))
+        exp.run(ctx)
+        runs[tag] = (ctx, _as_run_dir(tmp_path / "runs" / tag, ctx, f"2026-01-0{len(runs) + 1}_00-00-00"))
+    assert runs["a"][0].writer.read()["item_id"].nunique() == 1
+    dest = reference.merge_runs([runs["a"][1], runs["b"][1]], tmp_path / "ref")
+    merged, whole = pd.read_parquet(dest / "records.parquet"), runs["whole"][0].writer.read()
+    cols = ["unit", "item_id", "name", "cosine", "task_score", "recomputed"]
+    key = ["unit", "name"]
+    assert (merged[merged["kind"] == "blend"][cols].sort_values(key).reset_index(drop=True)
+            .equals(whole[whole["kind"] == "blend"][cols].sort_values(key).reset_index(drop=True)))
+    assert (merged["unit"] == "verify").sum() == (whole["unit"] == "verify").sum()
+    summary = json.loads((dest / "summary.json").read_text())
+    assert summary["workloads"]["skills"]["n_items"] == 3
+    meta = json.loads((dest / "meta.json").read_text())
+    assert [m["item_slice"] for m in meta["merged_from"]] == [[0, 1], [1, 3]]
+    with pytest.raises(ValueError, match="overlap"):
+        reference.merge_runs([runs["b"][1], runs["b"][1]], tmp_path / "ref2")
+    with pytest.raises(ConfigError, match="item_slice"):
+        validate(compose("config", overrides=["+experiment=blend", *TINY, "experiment.n_items=3",
+                                              "experiment.item_slice=[2,5]"]))
 
 def test_a_missing_locomo_file_fails_before_any_work(tmp_path, model, monkeypatch):
     from experiments import blend as exp
