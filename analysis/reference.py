@@ -12,13 +12,8 @@ into (a commit that never landed cannot be read back). `--force` copies it anywa
 copy's meta.json (`reference.forced`, with the reason), and the report lists every such run. Every
 run is checked before any is copied.
 
-    python -m analysis.reference --merge SHARD_DIR SHARD_DIR [...] [--to results/reference]
-
-joins the shards of one run too long for a session (`experiment.item_slice=[start,stop]`, each
-shard a finished clean run) into one run: same job, model and commit, the same config but for the
-slice, disjoint slices; records concatenated (a unit every shard writes, such as blend's verify
-record, is kept once, from the first shard, and must be equal in all), the summary recomputed
-from them, meta.json naming the shards (`merged_from`). It lands under the first shard's timestamp.
+The shards of a run too long for a session (`experiment.item_slice`) are joined into one run dir
+first (`python -m runner.merge SHARD_DIR ...`), and that run is copied like any other.
 """
 
 from __future__ import annotations
@@ -117,97 +112,14 @@ def copy_run(run_dir: Path, to: Path, force: bool = False) -> Path:
     return dest
 
 
-def _section(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The job's own config section (experiment or probe) of a config.yaml mapping."""
-    return cfg.get("experiment") or cfg.get("probe") or {}
-
-
-def merge_runs(shards: list[Path], to: Path) -> Path:
-    """One run from the shards of a sliced run (see the module doc); ValueError says why not."""
-    import pandas as pd  # deferred: the copy path needs neither pandas nor the runner
-    import yaml
-    from omegaconf import OmegaConf
-
-    from runner.config import validate
-    from runner.jobs import discover
-    from runner.main import build_summary
-
-    shards = [Path(d) for d in shards]
-    if len(shards) < 2:
-        raise ValueError("--merge needs at least two shard run dirs")
-    metas = [check_run(d, repo=to) for d in shards]
-    where = {(d.parent.parent.name, d.parent.name) for d in shards}
-    if len(where) != 1:
-        raise ValueError(f"shards of one run share job and model, got {sorted(where)}")
-    commits = {str(m["git"]["commit"]) for m in metas}
-    if len(commits) != 1:
-        raise ValueError(f"shards must run at one commit, got {', '.join(sorted(c[:7] for c in commits))}")
-    cfgs = [yaml.safe_load((d / "config.yaml").read_text()) for d in shards]
-    raw = [_section(c).get("item_slice") for c in cfgs]
-    slices = [x for x in raw if isinstance(x, list) and len(x) == 2]
-    if len(slices) != len(raw):
-        raise ValueError(f"every shard needs an item_slice [start, stop), got {raw}")
-    spans = sorted((int(a), int(b)) for a, b in slices)
-    if any(b1 > a2 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False)):
-        raise ValueError(f"shard slices overlap: {spans}")
-    bare = []
-    for c in cfgs:  # what a shard measured: its config less the slice and where it was written
-        c = json.loads(json.dumps(c))
-        _section(c)["item_slice"] = None
-        c.pop("results_dir", None)
-        bare.append(c)
-    if any(b != bare[0] for b in bare[1:]):
-        flat = [pd.json_normalize(b).iloc[0].to_dict() for b in bare]
-        diff = sorted({k for f in flat[1:] for k in set(f) | set(flat[0]) if str(f.get(k)) != str(flat[0].get(k))})
-        raise ValueError(f"shards differ beyond item_slice: {', '.join(diff)}")
-    frames = [pd.read_parquet(d / "records.parquet") for d in shards]
-    units = [set(f["unit"]) for f in frames]
-    shared = set.intersection(*units)
-    for f in frames[1:]:
-        for u in shared:
-            a, b = frames[0][frames[0]["unit"] == u], f[f["unit"] == u]
-            if not a.reset_index(drop=True).equals(b.reset_index(drop=True)):
-                raise ValueError(f"unit {u!r} differs between shards")
-    repeated = sorted(u for i, s in enumerate(units) for t in units[i + 1:] for u in s & t if u not in shared)
-    if repeated:
-        raise ValueError(f"units in more than one shard but not all: {repeated[:5]}")
-    records = pd.concat([frames[0], *(f[~f["unit"].isin(shared)] for f in frames[1:])], ignore_index=True)
-    first = shards[0]
-    dest = Path(to) / first.parent.parent.name / first.parent.name / first.name
-    if dest.exists():
-        raise ValueError(f"{dest} exists already")
-    discover()
-    job = validate(OmegaConf.create({**bare[0], "results_dir": cfgs[0].get("results_dir")}), check_inputs=False)
-    summary = build_summary(job, records)
-    summary["finished"] = max(str(json.loads((d / "summary.json").read_text()).get("finished")) for d in shards)
-    meta = dict(metas[0])
-    meta["attempts"] = [a for m in metas for a in m.get("attempts") or []]
-    meta["end_time"] = max(str(m.get("end_time")) for m in metas)
-    meta["merged_from"] = [{"run": f"{d.parent.parent.name}/{d.parent.name}/{d.name}", "item_slice": sl,
-                            "start_time": m.get("start_time"), "end_time": m.get("end_time")}
-                           for d, sl, m in zip(shards, slices, metas, strict=True)]
-    meta["merged_shared_units"] = sorted(shared)
-    dest.mkdir(parents=True)
-    (dest / "config.yaml").write_text(yaml.safe_dump({**bare[0], "results_dir": cfgs[0].get("results_dir")},
-                                                     sort_keys=False))
-    (dest / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    records.to_parquet(dest / "records.parquet", index=False)
-    (dest / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return dest
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="run directories to copy")
     p.add_argument("--to", type=Path, default=Path("results/reference"))
     p.add_argument("--force", action="store_true",
                    help="copy runs made from a dirty tree too (marked as forced; the report lists them)")
-    p.add_argument("--merge", action="store_true", help="join the shards of one sliced run (item_slice) into one run")
     a = p.parse_args(argv)
     try:
-        if a.merge:
-            print(merge_runs(a.runs, a.to))
-            return 0
         for run in a.runs:  # every run checked before any is copied
             check_run(run, a.force, repo=a.to)
         for run in a.runs:

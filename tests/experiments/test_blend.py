@@ -200,12 +200,13 @@ def _as_run_dir(root: Path, ctx, stamp: str) -> Path:
 
 
 def test_shards_of_a_sliced_run_merge_into_the_whole_run(tmp_path, model, monkeypatch):
-    """item_slice runs a shard of the items built; --merge joins shards into the run they split:
+    """item_slice runs a shard of the items built; runner.merge joins shards into the run they split:
     the same records (timings aside), the verify record once, and the summary over every item."""
     import pandas as pd
 
     from analysis import reference
     from experiments import blend as exp
+    from runner.merge import merge_runs
 
     monkeypatch.setattr(reference, "in_history", lambda commit, where: True)
     over = ("experiment.workloads=[skills]", "experiment.n_items=3", "experiment.seams=[4]",
@@ -216,7 +217,9 @@ def test_shards_of_a_sliced_run_merge_into_the_whole_run(tmp_path, model, monkey
         exp.run(ctx)
         runs[tag] = (ctx, _as_run_dir(tmp_path / "runs" / tag, ctx, f"2026-01-0{len(runs) + 1}_00-00-00"))
     assert runs["a"][0].writer.read()["item_id"].nunique() == 1
-    dest = reference.merge_runs([runs["a"][1], runs["b"][1]], tmp_path / "ref")
+    merged_dir = merge_runs([runs["a"][1], runs["b"][1]])
+    assert merged_dir.parent == runs["a"][1].parent  # a new run beside its shards
+    dest = reference.copy_run(merged_dir, tmp_path / "ref")  # and copied like any run
     merged, whole = pd.read_parquet(dest / "records.parquet"), runs["whole"][0].writer.read()
     cols = ["unit", "item_id", "name", "cosine", "task_score", "recomputed"]
     key = ["unit", "name"]
@@ -227,8 +230,8 @@ def test_shards_of_a_sliced_run_merge_into_the_whole_run(tmp_path, model, monkey
     assert summary["workloads"]["skills"]["n_items"] == 3
     meta = json.loads((dest / "meta.json").read_text())
     assert [m["item_slice"] for m in meta["merged_from"]] == [[0, 1], [1, 3]]
-    with pytest.raises(ValueError, match="overlap"):
-        reference.merge_runs([runs["b"][1], runs["b"][1]], tmp_path / "ref2")
+    with pytest.raises(ConfigError, match="overlap"):
+        merge_runs([runs["b"][1], runs["b"][1]])
     with pytest.raises(ConfigError, match="item_slice"):
         validate(compose("config", overrides=["+experiment=blend", *TINY, "experiment.n_items=3",
                                               "experiment.item_slice=[2,5]"]))

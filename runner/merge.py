@@ -1,0 +1,136 @@
+"""Join the shards of one sliced run into the run they split.
+
+    python -m runner.merge SHARD_DIR SHARD_DIR [...]
+
+A run too long for one session runs in shards (`experiment.item_slice=[start,stop]`). Each shard is
+a finished run at the same job, model and commit, with the same config but for its slice, and the
+slices are disjoint. The merge concatenates their records (a unit every shard writes, such as
+blend's verify record, is kept once, from the first shard, and must be equal in all), recomputes
+the summary from them and writes a new run dir beside the shards whose meta.json names them
+(`merged_from`) and carries every shard's attempts. It is a run like any other: copy it into the
+reference set with `python -m analysis.reference MERGED_DIR`, which applies the usual checks
+(a shard from a dirty tree makes the merged run dirty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from omegaconf import OmegaConf
+
+from kvnotes.errors import ConfigError
+from runner.config import validate
+from runner.jobs import discover
+from runner.main import build_summary
+from runner.rundir import new_dir, read_json, write_json
+
+FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
+
+
+def _section(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The job's own config section (experiment or probe) of a config.yaml mapping."""
+    return cfg.get("experiment") or cfg.get("probe") or {}
+
+
+def _shard(run_dir: Path) -> dict[str, Any]:
+    """meta.json of a finished shard; ConfigError says why a dir is not one."""
+    missing = [f for f in FILES if not (run_dir / f).is_file()]
+    if missing:
+        raise ConfigError(f"{run_dir}: not a finished run dir, missing {', '.join(missing)}")
+    meta = read_json(run_dir / "meta.json")
+    if meta.get("status") != "completed":
+        raise ConfigError(f"{run_dir}: status {meta.get('status')!r}; only completed shards merge")
+    return meta
+
+
+def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]]]:
+    """(metas, configs less slice and results_dir, slices) of shards that make one run."""
+    if len(shards) < 2:
+        raise ConfigError("a merge needs at least two shard run dirs")
+    metas = [_shard(d) for d in shards]
+    where = {(d.parent.parent.name, d.parent.name) for d in shards}
+    if len(where) != 1:
+        raise ConfigError(f"shards of one run share job and model, got {sorted(where)}")
+    commits = {str((m.get("git") or {}).get("commit")) for m in metas}
+    if len(commits) != 1:
+        raise ConfigError(f"shards must run at one commit, got {', '.join(sorted(c[:7] for c in commits))}")
+    cfgs = [yaml.safe_load((d / "config.yaml").read_text()) for d in shards]
+    raw = [_section(c).get("item_slice") for c in cfgs]
+    slices = [[int(a), int(b)] for a, b in (x for x in raw if isinstance(x, list) and len(x) == 2)]
+    if len(slices) != len(raw):
+        raise ConfigError(f"every shard needs an item_slice [start, stop), got {raw}")
+    spans = sorted(slices)
+    if any(b1 > a2 for (_, b1), (a2, _) in zip(spans, spans[1:], strict=False)):
+        raise ConfigError(f"shard slices overlap: {spans}")
+    bare = []
+    for c in cfgs:  # what a shard measured: its config less the slice and where it was written
+        c = json.loads(json.dumps(c))
+        _section(c)["item_slice"] = None
+        c.pop("results_dir", None)
+        bare.append(c)
+    if any(b != bare[0] for b in bare[1:]):
+        flat = [pd.json_normalize(b).iloc[0].to_dict() for b in bare]
+        diff = sorted({k for f in flat[1:] for k in set(f) | set(flat[0]) if str(f.get(k)) != str(flat[0].get(k))})
+        raise ConfigError(f"shards differ beyond item_slice: {', '.join(diff)}")
+    return metas, bare, slices
+
+
+def merged_records(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, set[str]]:
+    """The shards' records as one table, and the units every shard wrote (kept once)."""
+    units = [set(f["unit"]) for f in frames]
+    shared = set.intersection(*units)
+    for f in frames[1:]:
+        for u in shared:
+            a, b = frames[0][frames[0]["unit"] == u], f[f["unit"] == u]
+            if not a.reset_index(drop=True).equals(b.reset_index(drop=True)):
+                raise ConfigError(f"unit {u!r} differs between shards")
+    repeated = sorted(u for i, s in enumerate(units) for t in units[i + 1:] for u in s & t if u not in shared)
+    if repeated:
+        raise ConfigError(f"units in more than one shard but not all: {repeated[:5]}")
+    return pd.concat([frames[0], *(f[~f["unit"].isin(shared)] for f in frames[1:])], ignore_index=True), shared
+
+
+def merge_runs(shards: list[Path]) -> Path:
+    """One run from the shards of a sliced run, written beside them; ConfigError says why not."""
+    shards = [Path(d) for d in shards]
+    metas, bare, slices = check_shards(shards)
+    records, shared = merged_records([pd.read_parquet(d / "records.parquet") for d in shards])
+    cfg = {**bare[0], "results_dir": yaml.safe_load((shards[0] / "config.yaml").read_text()).get("results_dir")}
+    discover()
+    summary = build_summary(validate(OmegaConf.create(cfg), check_inputs=False), records)
+    summary["finished"] = max(str(read_json(d / "summary.json").get("finished")) for d in shards)
+    meta = dict(metas[0])
+    meta["attempts"] = [a for m in metas for a in m.get("attempts") or []]
+    meta["end_time"] = max(str(m.get("end_time")) for m in metas)
+    meta["merged_from"] = [{"run": f"{d.parent.parent.name}/{d.parent.name}/{d.name}", "item_slice": sl,
+                            "start_time": m.get("start_time"), "end_time": m.get("end_time")}
+                           for d, sl, m in zip(shards, slices, metas, strict=True)]
+    meta["merged_shared_units"] = sorted(shared)
+    dest = new_dir(shards[0].parent)
+    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    write_json(dest / "meta.json", meta)
+    records.to_parquet(dest / "records.parquet", index=False)
+    write_json(dest / "summary.json", summary)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shards", nargs="+", type=Path, help="run dirs of the shards of one sliced run")
+    a = p.parse_args(argv)
+    try:
+        print(merge_runs(a.shards))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
