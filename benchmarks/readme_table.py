@@ -4,8 +4,9 @@ Every JSON under results/reference/benchmarks whose rows carry the in-place keys
 `inplace_share_of_limit`, `multiblock_k0_share_of_limit`, the tier speedups) gives: time to first token of a stored block attended in place and of eight blocks at
 K = 0, each as a share of the limit (the question alone over a cache already in place), and the
 one block's speedup over a full prefill from host memory and from disk with a cold page cache.
-One row per JSON, its lengths' values in order; ratios come from one run each, a row names its
-machine, and rows of different machines do not compare.
+One row per model, dtype, machine and commit (runs of one commit on one machine join, their
+lengths' values in order); ratios come from one run each, a row names its machine and its JSON
+files, and rows of different machines do not compare.
 
     python -m benchmarks.readme_table            # print the table
     python -m benchmarks.readme_table --write    # replace it in README.md between its markers
@@ -37,19 +38,27 @@ def _f(v: object, fmt: str) -> str:
 
 
 def rows(bench: Path = BENCH) -> list[str]:
-    """One row per JSON with the in-place keys; each cell lists its lengths' values in order."""
-    out = []
+    """One row per model, dtype, machine and commit (the runs of one commit on one machine, e.g. a
+    length per run, join into one row), its lengths' values in order."""
+    groups: dict[tuple[str, ...], list[tuple[dict, str]]] = {}
     for path in sorted(bench.glob("*.json")):
         data = json.loads(path.read_text())
-        rs = [r for r in (data if isinstance(data, list) else []) if isinstance(r, dict) and r.get(KEYS[0]) is not None]
-        if not rs:
-            continue
+        for r in (data if isinstance(data, list) else []):
+            if isinstance(r, dict) and r.get(KEYS[0]) is not None:
+                key = (str(r.get("model")), str(r.get("dtype")), _machine(r), str(r.get("commit")))
+                groups.setdefault(key, []).append((r, path.name))
+    out = []
+    for members in groups.values():
+        rs = [r for r, _ in sorted(members, key=lambda m: m[0].get("length", 0))]
         def cells(key: str, fmt: str) -> str:
             return " / ".join(_f(r.get(key), fmt) for r in rs)  # noqa: B023 (called in this iteration)
         lengths = " / ".join(f"{r.get('length', 0) / 1000:g}k" for r in rs)
+        reps = {r.get("reps") for r in rs}
+        reps_cell = str(reps.pop()) if len(reps) == 1 else cells("reps", "d")
+        files = ", ".join(f"`{n}`" for n in dict.fromkeys(n for _, n in members))
         out.append(f"| {rs[0].get('model')} {rs[0].get('dtype')} | {_machine(rs[0])} | {lengths} | "
                    f"{cells(KEYS[0], '.2f')} | {cells(KEYS[1], '.2f')} | {cells('tier_host_speedup', '.1f')} | "
-                   f"{cells('tier_disk_speedup', '.1f')} | {rs[0].get('reps')} | `{path.name}` |")
+                   f"{cells('tier_disk_speedup', '.1f')} | {reps_cell} | {files} |")
     return out
 
 
