@@ -49,8 +49,9 @@ def _shard(run_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]]]:
-    """(metas, configs less slice and results_dir, slices) of shards that make one run."""
+def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]], Any]:
+    """(metas, configs less slice and results_dir, slices, the first shard's results_dir) of shards
+    that make one run."""
     if len(shards) < 2:
         raise ConfigError("a merge needs at least two shard run dirs")
     metas = [_shard(d) for d in shards]
@@ -78,7 +79,7 @@ def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[st
         flat = [pd.json_normalize(b).iloc[0].to_dict() for b in bare]
         diff = sorted({k for f in flat[1:] for k in set(f) | set(flat[0]) if str(f.get(k)) != str(flat[0].get(k))})
         raise ConfigError(f"shards differ beyond item_slice: {', '.join(diff)}")
-    return metas, bare, slices
+    return metas, bare, slices, cfgs[0].get("results_dir")
 
 
 def merged_records(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, set[str]]:
@@ -99,9 +100,9 @@ def merged_records(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, set[str]]:
 def merge_runs(shards: list[Path]) -> Path:
     """One run from the shards of a sliced run, written beside them; ConfigError says why not."""
     shards = [Path(d) for d in shards]
-    metas, bare, slices = check_shards(shards)
+    metas, bare, slices, results_dir = check_shards(shards)
     records, shared = merged_records([pd.read_parquet(d / "records.parquet") for d in shards])
-    cfg = {**bare[0], "results_dir": yaml.safe_load((shards[0] / "config.yaml").read_text()).get("results_dir")}
+    cfg = {**bare[0], "results_dir": results_dir}
     discover()
     summary = build_summary(validate(OmegaConf.create(cfg), check_inputs=False), records)
     summary["finished"] = max(str(read_json(d / "summary.json").get("finished")) for d in shards)
