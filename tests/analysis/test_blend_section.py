@@ -19,6 +19,8 @@ def _summary(cos15):
         "seam@4": {"recompute_fraction": 0.02, "cosine": _m(0.951), "task_score": _m(0.5), "ttft_ratio": _m(0.2)},
         "cacheblend@15%": {"recompute_fraction": 0.15, "cosine": _m(cos15, 0.97, 0.99), "task_score": _m(0.5),
                            "ttft_ratio": _m(0.4)},
+        "cacheblend@20%": {"recompute_fraction": 0.2, "cosine": _m(0.99), "task_score": _m(0.5), "ttft_ratio": _m(0.5)},
+        "cacheblend@5%": {"recompute_fraction": 0.05, "cosine": _m(0.93), "task_score": _m(0.4), "ttft_ratio": _m(0.2)},
     }
     return {"workloads": {"skills": {"n_items": 12, "methods": methods,
                                      "frontier": {"0.15": {"cosine": {"name": "cacheblend@15%", "value": cos15}}},
@@ -36,12 +38,13 @@ def _frame(tmp_path, runs):
     return pd.DataFrame(rows)
 
 
-def test_the_section_shows_15_percent_methods_seams_and_the_newest_run_per_model(tmp_path):
+def test_the_section_shows_15_and_20_percent_methods_seams_and_the_newest_run_per_model(tmp_path):
     frame = _frame(tmp_path, [("blend/llama/2026-01-01", "llama", _summary(0.970)),
                               ("blend/llama/2026-01-02", "llama", _summary(0.981))])
     text = "\n".join(blend_section(frame))
     assert text.count("### ") == 1 and "blend/llama/2026-01-02" in text  # the newest run only
     assert "| cacheblend@15% | 0.150 | 0.981 [0.970, 0.990] |" in text
+    assert "| cacheblend@20% | 0.200 |" in text and "| cacheblend@5% |" not in text  # 15 and 20 % only
     assert "| seam@2 |" in text and "| seam@4 |" not in text  # K = 2, 8, 32 only
     assert "| naive | 0.000 | 0.900 [0.850, 0.950] |" in text and "| full |" in text
     assert "<= 15%: cosine cacheblend@15% (0.981)" in text
