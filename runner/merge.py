@@ -49,7 +49,7 @@ def _shard(run_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]], Any]:
+def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]], str | None]:
     """(metas, configs less slice and results_dir, slices, the first shard's results_dir) of shards
     that make one run."""
     if len(shards) < 2:
