@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from experiments.shared.layouts import check_patch_settings, layout_items
 from kvnotes.edit.patching import make_pair, patched_scores, recoveries
 from kvnotes.errors import ConfigError
+from kvnotes.measure import margins
 from kvnotes.measure.metrics import ci_dict, wilson_ci
 from kvnotes.measure.timing import check_fits
 from kvnotes.tasks.distance import build_distance_suite, pair_id
@@ -74,7 +75,8 @@ class DistanceConfig:
 def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) -> dict[str, Any]:
     """One record per item and distance; recoveries NaN (with the reason) when not usable."""
     it = pair.item
-    usable = abs(pair.delta) >= margin
+    reason = margins.unusable(pair.delta, margin)
+    usable = reason is None
     rec = dict(zip(CONDITIONS, recs if recs is not None else [math.nan] * len(CONDITIONS), strict=True))
     return {
         "item_id": it.item_id, "pair_id": pair_id(it), "suite": it.suite, "domain": it.domain,
@@ -83,7 +85,7 @@ def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) ->
         "distance_tokens": int(it.meta["distance_tokens"]), "margin": margin,
         "score_stale": pair.score_stale, "score_oracle": pair.score_oracle, "delta": pair.delta,
         "abs_delta": abs(pair.delta), "usable": usable,
-        "skip_reason": None if usable else f"|score_new - score_old| = {abs(pair.delta):.3g} < margin {margin:g}",
+        "skip_reason": reason,
         **{k: float(v) for k, v in rec.items()},
     }
 
@@ -91,7 +93,7 @@ def item_record(pair: PatchPair, recs: Sequence[float] | None, margin: float) ->
 def measure(model: LoadedModel, item: TaskItem, margin: float, batch_size: int | None = None) -> dict[str, Any]:
     """Stale/oracle pair of one item and, when usable, its field-only / notes-only recoveries."""
     pair = make_pair(model, item)
-    if not abs(pair.delta) >= margin:
+    if margins.unusable(pair.delta, margin):
         return item_record(pair, None, margin)
     states = [pair.field_positions, pair.downstream_positions, pair.field_to_end]
     scores = patched_scores(model, pair, states, batch_size=batch_size)

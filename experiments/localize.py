@@ -55,6 +55,7 @@ import pandas as pd
 
 from experiments.shared.localize_summary import summarize_sets
 from kvnotes.edit.patching import PatchPair, make_pair, patched_scores, recoveries
+from kvnotes.pairs.localize import heldout_order, position_keys, scan_ks
 from kvnotes.tasks.item import TaskItem
 from probes.parts.common import (
     attended_positions,
@@ -111,18 +112,6 @@ class LocalizeConfig:
 
 # --- positions: segment, alignment key, token class -----------------------------------------------
 
-def downstream_spans(item: TaskItem, n_cached: int) -> dict[str, tuple[int, int]]:
-    """Each segment cut to the downstream span [field_end, n_cached): the field's own segment
-    starts after the field, the last segment loses the uncached decision token."""
-    lo = item.field_span[1]
-    out = {}
-    for name, (a, b) in item.segments.items():
-        a, b = max(a, lo), min(b, n_cached)
-        if a < b:
-            out[name] = (a, b)
-    return out
-
-
 def segment_names(item: TaskItem) -> list[str]:
     """The segment of every prompt position ('field' inside the field span, 'other' outside all)."""
     out = ["other"] * item.n_tokens
@@ -130,19 +119,6 @@ def segment_names(item: TaskItem) -> list[str]:
         out[a:b] = [name] * (b - a)
     s, e = item.field_span
     out[s:e] = ["field"] * (e - s)
-    return out
-
-
-def position_keys(item: TaskItem, n_cached: int, align: str = "both") -> dict[int, Key]:
-    """Downstream position -> (segment, offset): +i from the segment's start, -j from its end
-    (last token -1); `both`: +i in the first half, -j in the second. Positions in no segment are
-    absent (they cannot be aligned)."""
-    out: dict[int, Key] = {}
-    for name, (a, b) in downstream_spans(item, n_cached).items():
-        for p in range(a, b):
-            i, j = p - a, b - p
-            front = align == "start" or (align == "both" and i < j)
-            out[p] = (name, i if front else -j)
     return out
 
 
@@ -158,20 +134,6 @@ def token_class(item: TaskItem, pos: int) -> str:
 
 # --- rankings ------------------------------------------------------------------------------------
 
-def heldout_order(keys: Mapping[int, K], others: Sequence[Mapping[K, float]]) -> tuple[list[int], list[int]]:
-    """(ranked, unaligned): the item's positions by the mean effect at their key over the *other*
-    items' maps (highest first, ties by position); positions whose key no other item has are
-    unaligned. The item's own map is not an argument: it cannot enter its ranking."""
-    scored, unaligned = [], []
-    for p, k in sorted(keys.items()):
-        vals = [m[k] for m in others if k in m and np.isfinite(m[k])]
-        if vals:
-            scored.append((-float(np.mean(vals)), p))
-        else:
-            unaligned.append(p)
-    return [p for _, p in sorted(scored)], unaligned
-
-
 def heldout_orders(maps: Mapping[str, Mapping[K, float]], keys: Mapping[str, Mapping[int, K]],
                    groups: Mapping[str, str]) -> dict[str, tuple[list[int], list[int]]]:
     """item -> heldout_order over the other items of its group (items alone in theirs: absent)."""
@@ -186,16 +148,6 @@ def heldout_orders(maps: Mapping[str, Mapping[K, float]], keys: Mapping[str, Map
 def in_sample_order(own: Mapping[int, float], candidates: Sequence[int]) -> list[int]:
     """The candidates by the item's own single-position effect (the in-sample upper bound)."""
     return sorted(candidates, key=lambda p: (-float(np.nan_to_num(own.get(p, np.nan), nan=-np.inf)), p))
-
-
-def scan_ks(k_scan: int, n: int) -> list[int]:
-    """1..k_scan one by one, then doubling, then all n (each <= n)."""
-    ks = list(range(1, min(k_scan, n) + 1))
-    k = k_scan * 2
-    while k < n:
-        ks.append(k)
-        k *= 2
-    return ks + ([n] if n > (ks[-1] if ks else 0) else [])
 
 
 # --- the two phases ------------------------------------------------------------------------------

@@ -11,6 +11,11 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message says what is valid."""
 
 
+class UnusablePairWarning(UserWarning):
+    """A prompt pair whose metric barely moves between its prompts (|delta| below the margin):
+    its recoveries are reported as NaN."""
+
+
 class MissingDependency(ConfigError):
     """A package that this path needs is not installed; the message names it and the install command."""
 

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes.edit.patching import PatchPair, scores_from_logits
+from kvnotes.edit.patching import PatchPair, metric_scores, scores_from_logits
+from kvnotes.edit.ranking import matched_random, rank_by_attention
 from kvnotes.engine import interp
-from kvnotes.engine.variants import read_variants
 from kvnotes.measure.metrics import ci_dict, recovery
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
@@ -117,23 +117,6 @@ def mass_split(att: torch.Tensor, pair: PatchPair, n_sink: int) -> dict[str, flo
             "mass_other": share(other), "mass_self": 1.0 - total}
 
 
-def matched_random(top: Sequence[int], pool: Sequence[int], anchor: int, rng: random.Random,
-                   width: int) -> list[int]:
-    """A random set like `top` in count and in distance from `anchor`, drawn from `pool` - top:
-    each top key (in random order) gets a partner drawn among the `width` unused positions whose
-    distance to the anchor is nearest to its own."""
-    free = sorted(set(pool) - set(top))
-    if len(free) < len(top):
-        raise ValueError(f"{len(top)} keys to match from {len(free)} free positions")
-    out = []
-    for p in rng.sample(list(top), len(top)):
-        near = sorted(free, key=lambda q: (abs(q - p), q))[:width]  # |d_q - d_p| = |q - p|
-        q = rng.choice(near)
-        free.remove(q)
-        out.append(q)
-    return sorted(out)
-
-
 KeySet = tuple[dict[str, Any], list[int], list[int]]  # (record fields, keys, layers)
 
 
@@ -141,7 +124,7 @@ def key_sets(pair: PatchPair, att: torch.Tensor, cfg: KnockoutConfig, rng: rando
              n_layers: int) -> list[KeySet]:
     """Every masked key set of one item, most-attended order from the decision token's attention."""
     down, all_layers = pair.downstream_positions, list(range(n_layers))
-    by_att = [down[i] for i in torch.argsort(att.mean((0, 1))[down], descending=True, stable=True).tolist()]
+    by_att = rank_by_attention(att, down)
     n_top = max(1, math.ceil(cfg.top_fraction * len(down)))
     top = by_att[:n_top]
     sets: list[KeySet] = [
@@ -181,9 +164,9 @@ def _decision_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cf
     for i, (keys, lay) in enumerate(distinct):
         key_mask[i, keys] = True
         layer_mask[i, lay] = True
-    logits = read_variants(model, pair.new, pair.new, [[]] * len(distinct), pair.tail, key_mask=key_mask,
-                           mask_layers=layer_mask, batch_size=cfg.batch_size)[:, -1]
-    return scores_from_logits(pair.item, logits)[index]
+    scores = metric_scores(model, pair.new, pair.new, pair.metric, int(pair.tail[0, -1]), [[]] * len(distinct),
+                           key_mask=key_mask, mask_layers=layer_mask, batch_size=cfg.batch_size)
+    return scores[index]
 
 
 def _after_notes_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
@@ -192,7 +175,7 @@ def _after_notes_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet],
     for i, (keys, _) in enumerate(distinct):
         hidden[i, keys] = True
     logits = interp.hide_keys(model, pair.item.new_ids, hidden, cfg.hide_batch_size)
-    return scores_from_logits(pair.item, logits)[index]
+    return scores_from_logits(pair.metric, logits)[index]
 
 
 def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margin: float) -> list[dict[str, Any]]:

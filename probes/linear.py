@@ -26,6 +26,7 @@ import torch
 from kvnotes.engine import interp
 from kvnotes.measure.metrics import ci_dict, wilson_ci
 from kvnotes.models.loading import LoadedModel
+from kvnotes.pairs.localize import cv_correct
 from kvnotes.tasks.item import TaskItem
 from probes.parts.common import segment_of
 from probes.parts.readouts import proportion
@@ -133,37 +134,6 @@ def prompt_rows(model: LoadedModel, item: TaskItem, cfg: LinearConfig) -> list[P
         info = [(segment_of(item, p), (p - item.field_span[1]) / span) for p in aggs]
         out.append(Prompt(row, resid[:, pos].cpu().numpy(), feats, info, scale))
     return out
-
-
-def cv_correct(x: np.ndarray, y: np.ndarray, groups: np.ndarray, n_splits: int, C: float) -> np.ndarray | None:
-    """Per-prompt correctness of grouped cross-validated predictions at each layer: [layer, n].
-    None when it cannot be measured (one label class, or fewer than two template groups); a fold
-    whose training prompts hold one class predicts that class (chance, not an error)."""
-    # deferred: scikit-learn (about a second to import) is needed by this probe only
-    from sklearn.linear_model import LogisticRegression
-
-    # deferred: sklearn is heavy and only this path needs it
-    from sklearn.model_selection import GroupKFold
-
-    # deferred: sklearn is heavy and only this path needs it
-    from sklearn.pipeline import make_pipeline
-
-    # deferred: sklearn is heavy and only this path needs it
-    from sklearn.preprocessing import StandardScaler
-
-    n_groups = len(set(groups.tolist()))
-    if n_groups < 2 or len(set(y.tolist())) < 2:
-        return None
-    pred = np.empty((x.shape[1], len(y)), dtype=y.dtype)  # [layer, n]
-    for train, test in GroupKFold(n_splits=min(n_splits, n_groups)).split(x, y, groups):
-        if len(set(y[train].tolist())) < 2:
-            pred[:, test] = y[train][0]
-            continue
-        for layer in range(x.shape[1]):
-            clf = make_pipeline(StandardScaler(), LogisticRegression(C=C, max_iter=2000))
-            clf.fit(x[train, layer].astype(np.float32), y[train])
-            pred[layer, test] = clf.predict(x[test, layer].astype(np.float32))
-    return pred == y[None]
 
 
 def layer_accuracy(x: np.ndarray, y: np.ndarray, groups: np.ndarray, cfg: LinearConfig) -> list[float]:

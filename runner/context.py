@@ -17,6 +17,7 @@ from kvnotes import tasks
 from kvnotes.errors import ConfigError
 from kvnotes.models import LoadedModel, load_model, resolve_device, resolve_dtype
 from kvnotes.models.tiny import tiny_model
+from kvnotes.pairs.file import load_pairs
 from kvnotes.tasks.item import TaskItem
 from runner.config import Job, RunConfig
 from runner.rundir import RecordWriter, write_json
@@ -52,6 +53,11 @@ def load_items(model: LoadedModel, cfg: RunConfig) -> list[TaskItem]:
         raise ConfigError("a probe needs a task suite: add task=<suite> (configs/task/)")
 
     kwargs = cfg.task.build_kwargs()  # a TaskConfig (runner.task_config), validated
+    if cfg.task.KIND == "pairs":  # the user's prompts, verbatim
+        try:
+            return load_pairs(kwargs["path"], model.tokenizer, kwargs["n_items"])
+        except ValueError as e:  # prompts that tokenize to different lengths, answers sharing a token
+            raise ConfigError(f"task pairs ({kwargs['path']}): {e}") from None
     if kwargs["seed"] is None:  # the run's seed draws the suite unless the task pins one
         kwargs["seed"] = cfg.seed
     try:

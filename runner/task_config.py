@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.pairs.file import read_pairs_file
 from kvnotes.tasks import UnknownSuiteError, load_suite
 
 
@@ -142,7 +143,40 @@ class MemoryTask(TaskConfig):
     length: int = 600
 
 
-SCHEMAS: dict[str, type[TaskConfig]] = {c.KIND: c for c in (GatedTask, SkillsTask, MemoryTask)}
+@dataclass
+class PairsTask(TaskConfig):
+    """A file of your own prompt pairs (kvnotes.pairs.file), used verbatim: no suite, no layout.
+
+    `n_items` 0 takes every pair; `length` is set from the file (its longest prompt in characters,
+    an upper bound on its tokens, plus the chat template's) for the position and memory checks."""
+
+    KIND: ClassVar[str] = "pairs"
+    name: str = "pairs"
+    kind: str = "pairs"
+    path: str = MISSING  # the prompts file: one JSON object a line (clean, corrupt, answers, ...)
+    n_items: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind != self.KIND:
+            raise ConfigError(f"task.kind is fixed to {self.KIND!r} by the schema, got {self.kind!r}")
+        if self.n_items < 0:
+            raise ConfigError(f"task.n_items must be >= 0 (0: every pair of the file), got {self.n_items}")
+        lines = read_pairs_file(self.path)  # checked whole, before any model loads
+        self.n_items = min(self.n_items or len(lines), len(lines))
+
+        def chars(v: Any) -> int:
+            return len(v) if not isinstance(v, list) or not v or not isinstance(v[0], dict) else \
+                sum(len(m["content"]) for m in v)
+        self.length = max(chars(o[k]) for o in lines[: self.n_items] for k in ("clean", "corrupt")) + 64
+
+    def suite(self) -> Any:
+        return None
+
+    def build_kwargs(self) -> dict[str, Any]:
+        return {"path": self.path, "n_items": self.n_items}
+
+
+SCHEMAS: dict[str, type[TaskConfig]] = {c.KIND: c for c in (GatedTask, SkillsTask, MemoryTask, PairsTask)}
 KIND_HINT = {
     "agents": "agent scenarios are built by +experiment=agent from its own config, not from task",
     **{k: f"use task={k} task.name=<suite>" for k in SCHEMAS},
@@ -157,6 +191,8 @@ def kind_of(node: DictConfig | dict[str, Any]) -> str:
     kind = node.get("kind")
     if kind is not None and kind != MISSING:
         return str(kind)
+    if node.get("path") is not None and node.get("name") in (None, "pairs"):
+        return "pairs"
 
     try:
         return load_suite(str(node.get("name")), list(node.get("template_dirs") or ())).kind

@@ -83,7 +83,7 @@ def test_the_harness_extra_holds_what_only_the_harness_imports():
     assert not harness & core, f"in both the wheel and the harness extra: {harness & core}"
     unused = harness - needed - HARNESS_ENGINES
     assert not unused, f"the harness extra lists these, the harness imports none of them: {sorted(unused)}"
-    assert {"hydra-core", "matplotlib", "scikit-learn", "pandas", "pyarrow", "httpx", "httpx-sse",
+    assert {"hydra-core", "matplotlib", "pyarrow", "httpx", "httpx-sse",
             "prometheus-client"} <= harness
 
 

@@ -146,6 +146,6 @@ def test_scores_from_logits_is_new_correct_minus_old_correct():
     logits = torch.zeros(2, 16)
     logits[0, POS_ID], logits[0, NEG_ID] = 3.0, 1.0
     logits[1, POS_ID], logits[1, NEG_ID] = -1.0, 0.5
-    assert scores_from_logits(it, logits).tolist() == [2.0, -1.5]
+    assert scores_from_logits(it.metric, logits).tolist() == [2.0, -1.5]
     control = dataclasses.replace(it, correct_new="a")  # no flip: "b" against the correct "a"
     assert control.score_ids == (POS_ID, NEG_ID)

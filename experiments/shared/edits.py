@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvnotes.edit.strategies import Editor, EditState
+from kvnotes.measure import margins
 from kvnotes.measure.metrics import ci_dict, prop_dict, range_dict, raw_p_correct, recovery
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import decide, outcome_logits, score
@@ -40,7 +41,7 @@ def state_records(item: TaskItem, oracle: EditState, stale: EditState, states: S
     `cf`: the content-free prompt's decision logits; when given, every pick is calibrated by them.
     """
     s_old, s_new = score(item, stale.logits), score(item, oracle.logits)
-    usable_rec = abs(s_new - s_old) >= margin
+    usable_rec = margins.unusable(s_new - s_old, margin) is None
     old_pick, new_pick = _pick(item, stale.logits, cf), _pick(item, oracle.logits, cf)
     usable_p = usable_rec and old_pick == item.correct_old and new_pick == item.correct_new
     out = []

@@ -15,7 +15,7 @@ dividing by (oracle - stale) gives its recovery.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -101,9 +101,22 @@ def attribute_cache(
     model: LoadedModel, pair: PatchPair, grads: CacheGradients | None = None
 ) -> AttributionMap:
     """The attribution map of one item: one forward and one backward over the stale cache (or the
-    `grads` given), then per layer a few tensor products with the new-minus-old K/V."""
-    if grads is None:
-        grads = cache_gradients(model, pair.old, pair.tail, lambda logits: pair.item.decision_score(logits[-1]))
+    `grads` given, for a one-term metric), then per layer a few tensor products with the
+    new-minus-old K/V. A metric of several terms (answers of several tokens) is the sum of each
+    term's map, each from its own teacher-forced tail."""
+    terms = pair.metric.terms
+    if grads is not None or len(terms) == 1:
+        term = terms[0]
+        if grads is None:
+            tail = torch.tensor([term.tail(int(pair.tail[0, -1]))])
+            grads = cache_gradients(model, pair.old, tail, lambda logits: term.fn(term.select(logits[None]))[0])
+        return _map(pair, grads)
+    maps = [attribute_cache(model, replace(pair, metric=replace(pair.metric, terms=(t,)))) for t in terms]
+    key_linear, key_qk, value = (np.sum([getattr(m, name) for m in maps], axis=0) for name in PARTS)
+    return AttributionMap(key_linear, key_qk, value, score=float(sum(m.score for m in maps)))
+
+
+def _map(pair: PatchPair, grads: CacheGradients) -> AttributionMap:
     kl, kq, vv = [], [], []
     for layer in range(pair.old.n_layers):
         dev = grads.grad_keys[layer].device

@@ -1,9 +1,9 @@
-"""Activation patching on the KV cache of a task item: stale, oracle and everything between.
+"""Activation patching on the KV cache of a prompt pair: stale, oracle and everything between.
 
-For an item with token-aligned old and new prompts, the *stale* cache is a prefill of the old
+For a task item or a user's `kvnotes.Pair` with token-aligned old and new prompts, the *stale* cache is a prefill of the old
 prompt (without its last token), the *oracle* a prefill of the new one. A patched state takes
 the oracle's K/V at chosen positions and layers and the stale K/V elsewhere; the last prompt
-token then runs against it and the decision score is read. recovery = (score - stale) /
+token then runs against it and the pair's metric is read (kvnotes.measure.score). recovery = (score - stale) /
 (oracle - stale): 0 behaves like the old prompt, 1 like the new. Many states of one item are read
 in one batched call (kvnotes.engine.variants.read_variants), never by materialising patched caches.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,20 +23,25 @@ from kvnotes.engine.cache import KVCache, cat
 from kvnotes.engine.run import extend, prefill
 from kvnotes.engine.variants import read_variants
 from kvnotes.measure.metrics import recovery
+from kvnotes.measure.score import Metric
 from kvnotes.models.loading import LoadedModel
-from kvnotes.tasks.item import TaskItem
 
 
 @dataclass(frozen=True)
 class PatchPair:
-    """The stale and oracle caches of one item (positions 0..n-2) and its decision readout."""
+    """The stale and oracle caches of one pair (positions 0..n-2) and its metric's readout.
 
-    item: TaskItem
+    `item` is a task suite's `TaskItem` or a user's `kvnotes.Pair`: both carry old_ids, new_ids,
+    field_span, item_id and a metric. `metric` is the item's, bound to the oracle's logits when
+    it needs a reference (KL to the clean distribution)."""
+
+    item: Any
     old: KVCache
     new: KVCache
     tail: Int[Tensor, "1 tail"]  # the last prompt token, identical in old and new
     score_stale: float
     score_oracle: float
+    metric: Metric
 
     @property
     def n_cached(self) -> int:
@@ -59,11 +65,41 @@ class PatchPair:
         return list(range(self.item.field_span[0], self.n_cached))
 
 
-def scores_from_logits(item: TaskItem, logits: Float[Tensor, "n vocab"]) -> np.ndarray:
-    return item.decision_score(logits).cpu().numpy().astype(np.float64)
+def scores_from_logits(metric: Metric, logits: Float[Tensor, "n vocab"]) -> np.ndarray:
+    """A next-token metric (`PatchPair.metric`) of each row of logits, as float64."""
+    return metric(logits).cpu().numpy().astype(np.float64)
 
 
-def make_pair(model: LoadedModel, item: TaskItem) -> PatchPair:
+def metric_scores(
+    model: LoadedModel,
+    old: KVCache,
+    new: KVCache,
+    metric: Metric,
+    last: int,
+    positions: Sequence[Sequence[int]],
+    layers: Sequence[Sequence[int] | None] | None = None,
+    key_mask: Tensor | None = None,
+    batch_size: int | None = None,
+    mask_layers: Tensor | None = None,
+    mask_heads: Tensor | None = None,
+    full_vocab: bool = False,
+) -> np.ndarray:
+    """The metric of each variant of `old` (positions[i] at layers[i] from `new`; keys hidden by
+    `key_mask`), summed over its terms: each term runs the last prompt token and its teacher-forced
+    continuation once per variant, reading only its vocabulary rows unless `full_vocab`."""
+    total = np.zeros(len(positions))
+    for term in metric.terms:
+        logits = read_variants(
+            model, old, new, positions, torch.tensor([term.tail(last)]), layers, key_mask, batch_size,
+            mask_layers=mask_layers, mask_heads=mask_heads,
+            vocab=None if full_vocab or term.vocab is None else list(term.vocab),
+        )  # [n, tail, vocab or |term.vocab|]
+        rows = term.select(logits) if full_vocab else logits
+        total += term.fn(rows).cpu().numpy().astype(np.float64)
+    return total
+
+
+def make_pair(model: LoadedModel, item: Any) -> PatchPair:
     """Prefill old and new (the shared prefix once) and read the stale and oracle scores."""
     if item.field_span[1] >= item.n_tokens:
         raise ValueError(f"{item.item_id}: the field must end before the decision token")
@@ -75,10 +111,14 @@ def make_pair(model: LoadedModel, item: TaskItem) -> PatchPair:
     if shared is not None:  # the batch-2 cache holds the shared prefix expanded; keep one copy
         old = cat([shared, old.slice(start)])
         new = cat([shared, new.slice(start)])
-    tail = torch.tensor([item.old_ids[-1:]])
-    logits = read_variants(model, old, new, [[], list(range(old.seq_len))], tail)[:, -1]
-    stale, oracle = scores_from_logits(item, logits)
-    return PatchPair(item, old, new, tail, float(stale), float(oracle))
+    last = int(item.old_ids[-1])
+    metric: Metric = item.metric
+    if metric.needs_reference:  # KL to the clean run: its next-token logits are the reference
+        ref = read_variants(model, old, new, [list(range(old.seq_len))], torch.tensor([[last]]))[0, -1]
+        metric = metric.bind(ref)
+    stale, oracle = metric_scores(model, old, new, metric, last, [[], list(range(old.seq_len))],
+                                  full_vocab=True)
+    return PatchPair(item, old, new, torch.tensor([[last]]), float(stale), float(oracle), metric)
 
 
 def patched_scores(
@@ -88,16 +128,14 @@ def patched_scores(
     layers: Sequence[Sequence[int] | None] | None = None,
     key_mask: Tensor | None = None,
     batch_size: int | None = None,
+    mask_layers: Tensor | None = None,
+    mask_heads: Tensor | None = None,
 ) -> np.ndarray:
-    """Decision score of each patched state (positions[i] at layers[i] from the oracle).
-
-    `batch_size` states are read at once; None sizes the batches from the free memory.
-    """
-    logits = read_variants(
-        model, pair.old, pair.new, positions, pair.tail, layers, key_mask, batch_size,
-        vocab=list(pair.item.score_ids),
-    )[:, -1]  # [n, 2]: the two decision tokens only
-    return (logits[:, 0] - logits[:, 1]).cpu().numpy().astype(np.float64)
+    """The metric of each patched state (positions[i] at layers[i] from the oracle; keys hidden by
+    `key_mask` at `mask_layers` / `mask_heads`). `batch_size` states are read at once; None sizes
+    the batches from the free memory."""
+    return metric_scores(model, pair.old, pair.new, pair.metric, int(pair.tail[0, -1]), positions, layers,
+                         key_mask, batch_size, mask_layers, mask_heads)
 
 
 def recoveries(pair: PatchPair, scores: np.ndarray, min_denominator: float = 1e-4) -> np.ndarray:

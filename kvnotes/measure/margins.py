@@ -88,6 +88,15 @@ DERIVED: dict[str, Derivation] = {
 HAND_MARGIN = 1.0  # a model without a recorded derivation, until one is derived
 
 
+def unusable(delta: float, margin: float) -> str | None:
+    """The usable-item gate, the one place it is decided: why a pair cannot measure recovery
+    (|score_new - score_old| below the margin, or not a number), else None. Below the margin a
+    recovery divides by a difference of noise size: 14 or -13 say nothing."""
+    if not abs(delta) >= margin:
+        return f"|score_new - score_old| = {abs(delta):.3g} < margin {margin:g}"
+    return None
+
+
 def margin_of(model: str) -> float:
     """The margin a model's runs judge items by unless the run overrides it (model.margin=X):
     its recorded derivation, else HAND_MARGIN. The one source of the number (the registry's

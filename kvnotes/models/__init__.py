@@ -4,6 +4,7 @@ from kvnotes.models.adapters import FAMILIES, FamilyAdapter, adapter_for
 from kvnotes.models.devices import resolve_device, resolve_dtype
 from kvnotes.models.loading import (
     LoadedModel,
+    load,
     load_model,
     load_tokenizer,
     wrap_model,
@@ -23,6 +24,7 @@ __all__ = [
     "cache_dir",
     "fetch",
     "get_spec",
+    "load",
     "load_model",
     "load_tokenizer",
     "model_names",

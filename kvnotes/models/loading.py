@@ -328,3 +328,16 @@ def weights_id(model: LoadedModel) -> str:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return "fingerprint:" + h.hexdigest()
+
+
+def load(model: Any, tokenizer: Any = None, **kwargs: Any) -> LoadedModel:
+    """What a user holds, ready for kvnotes: a registered name, a hub id or a folder (`load_model`,
+    `kwargs` its options), an HF causal LM with its `tokenizer`, an nnsight `LanguageModel` or a
+    TransformerLens `TransformerBridge` (`wrap_model`), or a LoadedModel (returned as it is)."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return load_model(str(model), **kwargs)
+    if kwargs:
+        raise TypeError(f"load options {sorted(kwargs)} apply to a name, hub id or folder, not to a module")
+    return wrap_model(model, tokenizer)

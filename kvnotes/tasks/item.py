@@ -16,6 +16,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor
 
+from kvnotes.measure.score import Metric, ids_diff
 from kvnotes.tasks.tokens import check_alignment
 
 
@@ -47,6 +48,7 @@ class TaskItem:
     segments: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     meta: Mapping[str, Any] = field(default_factory=dict)
     cf_ids: tuple[int, ...] | None = None  # content-free value in the span (calibration)
+    score_metric: Metric | None = None  # a user's metric (task=pairs); None: the decision ids' difference
 
     def __post_init__(self) -> None:
         check_alignment(self.old_ids, self.new_ids, self.field_span)
@@ -98,14 +100,23 @@ class TaskItem:
             pos, neg = neg, pos
         return self.decision_ids[pos], self.decision_ids[neg]
 
+    @property
+    def metric(self) -> Metric:
+        """What patching reads (kvnotes.measure.score): the item's own metric when it has one,
+        else logit[positive] - logit[negative] of `score_ids`."""
+        return self.score_metric if self.score_metric is not None else ids_diff(*self.score_ids)
+
     def decision_score(self, logits: Float[Tensor, "*batch vocab"]) -> Float[Tensor, "*batch"]:
-        """The decision score, logit[positive] - logit[negative] of `score_ids`, in fp32, for logits
-        of any leading shape: the one definition every probe, strategy and experiment reads."""
+        """The decision score of next-token logits of any leading shape, in fp32 (`metric`): the
+        one definition every probe, strategy and experiment reads."""
+        if self.score_metric is not None:
+            return self.score_metric(logits)
         pos, neg = self.score_ids
         return logits[..., pos].float() - logits[..., neg].float()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("score_metric")
         d["decision_pos"] = self.decision_pos
         d["downstream"] = self.downstream
         return d

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from kvnotes.measure import margins
 from kvnotes.models.loading import LoadedModel
 from kvnotes.tasks.item import TaskItem
 from kvnotes.tasks.scoring import ItemScore, score_items
@@ -30,7 +31,7 @@ def skip_reason(
     s: ItemScore, item: TaskItem, margin: float, criterion: Criterion, calibrated: bool = True
 ) -> str | None:
     """None when usable; else small_delta, wrong_old, wrong_new or wrong_both."""
-    if not abs(s.delta) >= margin:  # NaN is not usable
+    if margins.unusable(s.delta, margin):  # NaN is not usable
         return "small_delta"
     if criterion == "recovery":
         return None

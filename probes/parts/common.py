@@ -10,14 +10,13 @@ probes use: layer bands, the prompt segment of a position, the decision token's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from kvnotes.edit import ranking
 from kvnotes.edit.patching import PatchPair, make_pair
-from kvnotes.engine.variants import read_variants
 from kvnotes.measure import margins
 from kvnotes.measure.metrics import ci_dict, cluster_bootstrap_ci
 from kvnotes.models import LoadedModel
@@ -49,10 +48,9 @@ def item_fields(item: TaskItem) -> dict[str, Any]:
 
 
 def skip_reason(pair: PatchPair, margin: float) -> str | None:
-    """Why an item cannot measure recovery: the model's decision barely depends on the field."""
-    if not abs(pair.delta) >= margin:
-        return f"|score_new - score_old| = {abs(pair.delta):.3g} < margin {margin:g}"
-    return None
+    """Why an item cannot measure recovery: the model's decision barely depends on the field
+    (the library's gate, kvnotes.measure.margins.unusable)."""
+    return margins.unusable(pair.delta, margin)
 
 
 def run_pairs(
@@ -177,15 +175,9 @@ def segment_of(item: TaskItem, pos: int) -> str:
 def attended_positions(pair: PatchPair, att: torch.Tensor, top_fraction: float = 0.25) -> list[int]:
     """The `top_fraction` of the downstream span the decision token attends to most (attention
     `att` [layer, head, pos] averaged over layers and heads; at least one position), sorted."""
-    down = pair.downstream_positions
-    n = max(1, math.ceil(top_fraction * len(down)))
-    order = torch.argsort(att.mean((0, 1))[down], descending=True, stable=True).tolist()
-    return sorted(down[i] for i in order[:n])
+    return ranking.top_attended(att, pair.downstream_positions, top_fraction)
 
 
 def attention_to_cache(model: LoadedModel, pair: PatchPair) -> torch.Tensor:
     """The decision token's attention weights on the new cache: [layer, head, cached pos]."""
-    cap: list[dict[int, torch.Tensor]] = []
-    read_variants(model, pair.new, pair.new, [[]], pair.tail, capture=cap)
-    w = cap[0]
-    return torch.stack([w[layer][0, :, -1, : pair.n_cached] for layer in range(model.n_layers)])
+    return ranking.decision_attention(model, pair)

@@ -106,7 +106,7 @@ def _recover(model: LoadedModel, pair: PatchPair, z_new: torch.Tensor,
     if not sets:
         return np.zeros(0)
     logits = interp.patch_heads_at_tail(model, pair.old, pair.tail, z_new, _masks(sets, L, H), batch_size)
-    return recoveries(pair, scores_from_logits(pair.item, logits))
+    return recoveries(pair, scores_from_logits(pair.metric, logits))
 
 
 def _at(rows: Sequence[Mapping[str, Any]], ranking: str, k: int) -> dict[str, float]:
