@@ -94,7 +94,7 @@ def _frame(model: LoadedModel, pp: PatchPair, rows: list[dict[str, Any]], scores
 
 
 def _position_rows(model: LoadedModel, pp: PatchPair, positions: Sequence[int]) -> list[dict[str, Any]]:
-    seg, tok = segment_names(pp.item), _tokens(model, pp.item.old_ids)
+    seg, tok = segment_names(pp.item), _tokens(model, pp.item.new_ids)  # the clean tokens: what is patched in
     return [{"position": p, "token": tok[p], "segment": seg[p]} for p in positions]
 
 
