@@ -3,7 +3,8 @@
     python scripts/execute_notebooks.py                      # all, the science ones on qwen-1.5b
     python scripts/execute_notebooks.py --model llama 01_quickstart
 
-01 and 03 run on `--model` (qwen-1.5b by default: the model that shows the effect, in float32);
+01, 03 and 04 run on `--model` (qwen-1.5b by default: the model that shows the effect, in float32;
+04, a user's own prompts, is stored executed on llama: `--model llama 04_your_own_prompts`);
 02 reads `results/reference`. Each notebook's metadata records what it ran on (`kvnotes`: model,
 commit, dirty flag, date), and tests/test_notebooks.py checks that the stored outputs are whole
 (every code cell run in order, no error) and were made on a clean commit. CI executes them again on
@@ -20,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the library beside it
-ON_MODEL = {"01_quickstart", "03_edit_and_compose"}  # the notebooks that load a model
+ON_MODEL = {"01_quickstart", "03_edit_and_compose", "04_your_own_prompts"}  # the notebooks that load a model
 
 
 def execute(path: Path, model: str, timeout: int, git: dict[str, object]) -> None:

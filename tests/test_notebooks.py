@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = {"01_quickstart", "02_explore_results", "03_edit_and_compose"}
+EXPECTED = {"01_quickstart", "02_explore_results", "03_edit_and_compose", "04_your_own_prompts"}
 
 
 def stored_problems(book: nbformat.NotebookNode) -> list[str]:
@@ -164,3 +164,17 @@ def test_stored_outputs_have_no_local_paths_an_install_cell_and_images_not_reprs
         assert any("image/png" in o.get("data", {}) for c in book.cells for o in c.get("outputs", []))
     if name == "02_explore_results":  # both figures stored as PNG
         assert sum("image/png" in o.get("data", {}) for c in book.cells for o in c.get("outputs", [])) >= 2
+
+
+@pytest.mark.real
+def test_04_your_own_prompts_executes(llama_weights, monkeypatch):
+    monkeypatch.setenv("KVNOTES_NB_MODEL", "llama")
+    monkeypatch.setenv("KVNOTES_NB_ITEMS", "3")
+    text = outputs_text(execute("04_your_own_prompts"))
+    assert "Spearman with exact" in text and "p_random" in text and "UnusablePairWarning" in text
+    assert "over clusters" in text
+
+
+def test_04_is_stored_executed_on_llama():
+    book = nbformat.read(ROOT / "notebooks" / "04_your_own_prompts.ipynb", as_version=4)
+    assert book.metadata["kvnotes"]["model"] == "llama"
