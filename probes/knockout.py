@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes.edit.patching import PatchPair, metric_scores, scores_from_logits
+from kvnotes.edit.patching import PatchPair, metric_scores
 from kvnotes.edit.ranking import matched_random, rank_by_attention
 from kvnotes.engine import interp
 from kvnotes.measure.metrics import ci_dict, recovery
@@ -171,11 +171,16 @@ def _decision_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cf
 
 def _after_notes_scores(model: LoadedModel, pair: PatchPair, sets: list[KeySet], cfg: KnockoutConfig) -> np.ndarray:
     distinct, index = _unique(sets)
-    hidden = torch.zeros(len(distinct), pair.item.n_tokens, dtype=torch.bool)
-    for i, (keys, _) in enumerate(distinct):
-        hidden[i, keys] = True
-    logits = interp.hide_keys(model, pair.item.new_ids, hidden, cfg.hide_batch_size)
-    return scores_from_logits(pair.metric, logits)[index]
+    n = pair.item.n_tokens
+
+    def run(tail: list[int], vocab: tuple[int, ...] | None) -> torch.Tensor:  # the prompt, then the term's continuation
+        hidden = torch.zeros(len(distinct), n - 1 + len(tail), dtype=torch.bool)
+        for i, (keys, _) in enumerate(distinct):
+            hidden[i, keys] = True
+        ids = list(pair.item.new_ids[:-1]) + tail
+        logits = interp.hide_keys(model, ids, hidden, cfg.hide_batch_size, keep=len(tail))  # [n, tail, vocab]
+        return logits if vocab is None else logits[..., list(vocab)]
+    return pair.metric.read(run, int(pair.tail[0, -1])).cpu().numpy().astype(np.float64)[index]
 
 
 def item_records(model: LoadedModel, pair: PatchPair, cfg: KnockoutConfig, margin: float) -> list[dict[str, Any]]:

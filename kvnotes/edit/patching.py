@@ -19,6 +19,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from kvnotes.engine import interp
 from kvnotes.engine.cache import KVCache, cat
 from kvnotes.engine.run import extend, prefill
 from kvnotes.engine.variants import read_variants
@@ -141,3 +142,14 @@ def patched_scores(
 def recoveries(pair: PatchPair, scores: np.ndarray, min_denominator: float = 1e-4) -> np.ndarray:
     out = recovery(scores, pair.score_stale, pair.score_oracle, min_denominator)
     return np.atleast_1d(np.asarray(out, dtype=np.float64))
+
+
+def head_scores(model: LoadedModel, pair: PatchPair, z_new: torch.Tensor, masks: torch.Tensor,
+                batch_size: int) -> np.ndarray:
+    """The pair's metric when, in variant i, the heads `masks[i]` ([n, layer, head]) output at the
+    decision token what they output in the new run (a teacher-forced continuation runs after it)."""
+    def run(tail: list[int], vocab: tuple[int, ...] | None) -> torch.Tensor:
+        logits = interp.patch_heads_at_tail(model, pair.old, torch.tensor([tail]), z_new, masks, batch_size,
+                                            at=0, all_rows=True)  # [n, tail, vocab]
+        return logits if vocab is None else logits[..., list(vocab)]
+    return pair.metric.read(run, int(pair.tail[0, -1])).cpu().numpy().astype(np.float64)

@@ -142,12 +142,16 @@ def patch_heads_at_tail(
     z_src: Float[Tensor, "layer head d_head"],
     heads: Bool[Tensor, "n layer head"],
     batch_size: int = 64,
-) -> Float[Tensor, "n vocab"]:
+    at: int = -1,
+    all_rows: bool = False,
+) -> Float[Tensor, "n *tail vocab"]:
     """Last-tail-token logits after `cache` when, in variant i, the heads `heads[i]` output z_src.
 
     Equal to `patch_head_outputs(dst, src, chosen heads)` when `cache` + `tail` is the dst prompt
     and z_src the src prompt's tail outputs (`tail_head_outputs`): earlier positions are not
-    patched there either, and the tail is the only position that sees the patch.
+    patched there either, and the tail is the only position that sees the patch. `at`: the tail
+    position whose heads are patched (the decision token of a teacher-forced tail is 0);
+    `all_rows`: the logits of every tail position ([n, tail, vocab]), not only the last.
     """
     L, H, d = z_src.shape
     if heads.ndim != 3 or tuple(heads.shape[1:]) != (L, H) or L != model.n_layers:
@@ -160,9 +164,9 @@ def patch_heads_at_tail(
             on = chunk["heads"][:, layer].to(x.device)  # [b, H]
             if not bool(on.any()):
                 return args
-            last = x[:, -1].reshape(x.shape[0], H, d)  # [b, H, d]
+            last = x[:, at].reshape(x.shape[0], H, d)  # [b, H, d]
             src = z_src[layer].to(device=x.device, dtype=x.dtype)[None]  # [1, H, d]
-            x[:, -1] = torch.where(on[..., None], src, last).reshape(x.shape[0], H * d)
+            x[:, at] = torch.where(on[..., None], src, last).reshape(x.shape[0], H * d)
             return (x, *args[1:])
         return hook
 
@@ -172,7 +176,8 @@ def patch_heads_at_tail(
         for s in range(0, heads.shape[0], batch_size):
             chunk["heads"] = heads[s : s + batch_size]
             b = chunk["heads"].shape[0]
-            out.append(read_variants(model, cache, cache, [[]] * b, tail, batch_size=b)[:, -1])
+            logits = read_variants(model, cache, cache, [[]] * b, tail, batch_size=b)  # [b, tail, vocab]
+            out.append(logits if all_rows else logits[:, -1])
     finally:
         for h in handles:
             h.remove()
@@ -193,10 +198,11 @@ def _hide_masks(model: LoadedModel, hidden: Bool[Tensor, "batch pos"]) -> Tensor
 
 @torch.no_grad()
 def hide_keys(
-    model: LoadedModel, ids: Ids, hidden: Bool[Tensor, "n pos"], batch_size: int = 8
-) -> Float[Tensor, "n vocab"]:
+    model: LoadedModel, ids: Ids, hidden: Bool[Tensor, "n pos"], batch_size: int = 8, keep: int | None = None
+) -> Float[Tensor, "n *keep vocab"]:
     """Last-position logits of `ids` when, in variant i, the keys `hidden[i]` are removed from the
-    attention of every later query, in every layer and head (a cache-free forward per variant)."""
+    attention of every later query, in every layer and head (a cache-free forward per variant).
+    `keep`: the logits of the last `keep` positions ([n, keep, vocab]) instead."""
     x = _one(model, ids)
     n = x.shape[1]
     if hidden.ndim != 2 or hidden.shape[1] != n:
@@ -206,6 +212,6 @@ def hide_keys(
         h = hidden[s : s + batch_size]
         pos = torch.arange(n, device=model.device)[None].expand(h.shape[0], -1)
         res = model.hf(input_ids=x.expand(h.shape[0], -1), attention_mask=_hide_masks(model, h),
-                       position_ids=pos, use_cache=False, logits_to_keep=1)
-        out.append(res.logits[:, -1].float())
+                       position_ids=pos, use_cache=False, logits_to_keep=keep or 1)
+        out.append(res.logits.float() if keep else res.logits[:, -1].float())
     return torch.cat(out)

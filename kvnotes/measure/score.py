@@ -61,6 +61,15 @@ class Metric:
         """The metric with its reference (the clean run's next-token logits) fixed."""
         return self if self.binder is None else self.binder(clean_logits.detach().float())
 
+    def read(self, run: Callable[[list[int], tuple[int, ...] | None], Float[Tensor, "n tail vocab"]],
+             last: int) -> Float[Tensor, " n"]:
+        """The score of many variants, each term read by `run(tail ids, vocab rows or None)`, which
+        runs the last prompt token and the term's continuation after every variant ([n, tail, k])."""
+        if self.needs_reference:
+            raise ValueError(f"metric {self.name!r} needs the clean logits first: metric.bind(clean_logits)")
+        out = [t.fn(run(t.tail(last), t.vocab)).float() for t in self.terms]
+        return torch.stack(out).sum(0)
+
     def __call__(self, logits: Float[Tensor, "*batch vocab"]) -> Float[Tensor, "*batch"]:
         """The score of next-token logits of any leading shape (fp32)."""
         if self.needs_reference:

@@ -26,10 +26,10 @@ from kvnotes.edit import ranking
 from kvnotes.edit.attribution import attribute_cache, top_positions
 from kvnotes.edit.patching import (
     PatchPair,
+    head_scores,
     make_pair,
     metric_scores,
     patched_scores,
-    scores_from_logits,
 )
 from kvnotes.engine import interp
 from kvnotes.errors import UnusablePairWarning
@@ -130,15 +130,11 @@ def patch_map(model: LoadedModel, pair: Any, over: str = "position", margin: flo
 
 
 def _head_map(model: LoadedModel, pp: PatchPair, m: float, why: str | None, batch_size: int | None) -> pd.DataFrame:
-    if not pp.metric.next_token:
-        raise ValueError(f"over='head' reads next-token logits; metric {pp.metric.name!r} teacher-forces answers "
-                         "of several tokens: use single-token answers or a callable metric")
     z_new = interp.tail_head_outputs(model, pp.new, pp.tail)  # [layer, head, d_head]
     L, H = int(z_new.shape[0]), int(z_new.shape[1])
     masks = torch.eye(L * H, dtype=torch.bool).reshape(L * H, L, H)  # one head per variant
-    logits = interp.patch_heads_at_tail(model, pp.old, pp.tail, z_new, masks, batch_size or 64)
     rows = [{"layer": la, "head": h} for la in range(L) for h in range(H)]
-    return _frame(model, pp, rows, scores_from_logits(pp.metric, logits), why, m)
+    return _frame(model, pp, rows, head_scores(model, pp, z_new, masks, batch_size or 64), why, m)
 
 
 def recoveries(model: LoadedModel, pair: Any, spans: Mapping[str, Sequence[int] | tuple[int, int]] | None = None,

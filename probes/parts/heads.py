@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvnotes.edit.patching import PatchPair, recoveries, scores_from_logits
+from kvnotes.edit.patching import PatchPair, head_scores, recoveries
 from kvnotes.engine import interp
 from kvnotes.measure.metrics import ci_dict
 from kvnotes.models.loading import LoadedModel
@@ -105,8 +105,8 @@ def _recover(model: LoadedModel, pair: PatchPair, z_new: torch.Tensor,
     L, H = int(z_new.shape[0]), int(z_new.shape[1])
     if not sets:
         return np.zeros(0)
-    logits = interp.patch_heads_at_tail(model, pair.old, pair.tail, z_new, _masks(sets, L, H), batch_size)
-    return recoveries(pair, scores_from_logits(pair.metric, logits))
+    return recoveries(pair, head_scores(model, pair, z_new, _masks(sets, L, H), batch_size))
+
 
 
 def _at(rows: Sequence[Mapping[str, Any]], ranking: str, k: int) -> dict[str, float]:

@@ -21,8 +21,8 @@ def pairs_file(tmp_path, n: int = 3):
         base = [20 + (7 * i + j) % 100 for j in range(30)]
         corrupt = list(base)
         corrupt[4] = base[4] + 1
-        lines.append({"id": f"p{i}", "cluster": f"c{i % 2}", "clean": base, "corrupt": corrupt,
-                      "answers": [" a", " b"]})
+        answers = [" a", " b"] if i % 2 else [" ab", " cd"]  # one token each, or teacher-forced pieces
+        lines.append({"id": f"p{i}", "cluster": f"c{i % 2}", "clean": base, "corrupt": corrupt, "answers": answers})
     p = tmp_path / "pairs.jsonl"
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return p
@@ -33,13 +33,16 @@ def test_probes_run_on_a_prompts_file_with_cluster_intervals(tmp_path, probe):
     path = pairs_file(tmp_path)
     cfg = compose("config", overrides=[f"+probe={probe}", "task=pairs", f"task.path={path}",
                                        f"results_dir={tmp_path / 'runs'}", "probe.margin=0.0", "progress=false",
-                                       ONE_THREAD, *TINY] + (["probe.read_heads=false"] if probe == "knockout" else []))
+                                       ONE_THREAD, *TINY] + (["probe.head_ks=[1,2]"] if probe == "knockout" else []))
     run_dir = runner.run(cfg)
     summary, records = read(run_dir / "summary.json"), pd.read_parquet(run_dir / "records.parquet")
     assert summary["n_items"] == 3 and summary["n_usable"] == 3
     assert set(records.suite) == {"pairs"} and set(records.domain) == {"c0", "c1"}
+    assert set(records.item_id) == {"p0", "p1", "p2"}
     if probe == "patching":
         assert "ci_cluster" in summary["recovery"]["notes_only"]
+    if probe == "knockout":  # the read heads and the every-later-query variant read teacher-forced answers too
+        assert {"heads", "top"} <= set(records.condition) and "after_notes" in set(records.variant.dropna())
 
 
 def test_a_bad_prompts_file_fails_before_the_model_loads(tmp_path, monkeypatch):
