@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvnotes.compose.splice import Block, transplant
+from kvnotes.compose.splice import Block, seam_tokens, transplant
 from kvnotes.compose.store import load_block
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
@@ -280,7 +280,7 @@ class EditableCache:
         rest = list(ids[cache.seq_len:-1])
         if rest:
             cache = extend(self.model, cache, rest).cache
-        recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
+        recomputed = sum(seam_tokens(seam, len(blk)) for blk in blks) + len(rest)
         return EditResult(self.model, ids, cache, "transplant", recomputed + self._resynced)
 
 
