@@ -77,13 +77,15 @@ class EditResult:
         (`EditableCache.transplant`'s arguments)."""
         return EditableCache.from_result(self).transplant(blocks, seam, insert_before)
 
-    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> GenerateOutput:
+    def generate(self, max_new_tokens: int | None = None, **kwargs: Any) -> GenerateOutput:
         """Continuation from the edited cache (`model.generate` on a DynamicCache copy of it).
 
         Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
-        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`, a
-        `generation_config`, ...). Returns a `GenerateOutput`: `.text` (also `str(out)`),
-        `.texts`, `.ids` (the new tokens, [n, new]), `.sequences`, and `.scores` when asked.
+        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`,
+        `stop_strings`, a `generation_config`, ...). `max_new_tokens` new tokens, or `max_length`
+        in all, prompt included, as in Hugging Face (neither: 16 new tokens). Returns a
+        `GenerateOutput`: `.text` (also `str(out)`), `.texts`, `.ids` (the new tokens, [n, new]),
+        `.sequences`, and `.scores` when asked.
         """
         gen = {"do_sample": False, **kwargs}
         return generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
