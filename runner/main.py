@@ -35,7 +35,7 @@ from kvnotes.measure import provenance
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
-from runner.context import Context, item_key, load
+from runner.context import Context, check_lengths, item_key, load
 from runner.endings import (
     disk_failure,
     interrupted_line,
@@ -158,6 +158,7 @@ def run(cfg: DictConfig) -> Path:
 
     device = str(resolve_device(job.cfg.device))
     threads, why = threads_for(job.cfg)  # a bad OMP_NUM_THREADS is refused before the run dir
+    check_lengths(job)  # a task.length below its suite's prompts too, with the tokenizer alone
     with open_dict(cfg):  # the margin the run judges by, resolved (kvnotes.measure.margins), is saved
         cfg.model.margin = job.cfg.model.margin
     chash = config_hash(cfg, device)

@@ -88,9 +88,7 @@ class LoadedModel:
 
     @property
     def chat(self) -> bool:
-        if self.spec is not None and not self.spec.chat:
-            return False
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return has_chat(self.spec, self.tokenizer)
 
     @property
     def nnsight(self) -> Any:
@@ -125,6 +123,13 @@ class LoadedModel:
         if self.weights is not None:
             out.update(self.weights.provenance())
         return out
+
+
+def has_chat(spec: ModelSpec | None, tokenizer: Any) -> bool:
+    """A chat model: its registry entry does not say otherwise and its tokenizer has a chat template."""
+    if spec is not None and not spec.chat:
+        return False
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def _hub_offline() -> bool:
