@@ -125,6 +125,11 @@ class BlendConfig:
                 + [Method("query_aware", r) for r in self.budgets]
                 + [Method("notes", r, seam=s) for s in self.note_seams for r in self.budgets])
 
+    def suite_lengths(self) -> list[tuple[str, str, int, int]]:
+        """(setting, suite, n_items, length) of the suites this job builds, for the runner to
+        check the length against their prompts before the model loads."""
+        return [("skills_length", "skills", self.n_items, self.skills_length)] if "skills" in self.workloads else []
+
     def longest_prompt(self) -> tuple[str, int, int]:
         """The longest workload's blocks with the system prompt, question and answer around them
         (bound: PROMPT_AROUND + max_new_tokens), for the position check."""

@@ -57,6 +57,10 @@ class ComposeConfig:
         if not self.seams or any(k < 0 for k in self.seams):
             raise ConfigError(f"seams must be a non-empty list of ints >= 0, got {self.seams}")
 
+    def suite_lengths(self) -> list[tuple[str, str, int, int]]:
+        """(setting, suite, n_items, length) of the suite this job builds (runner's pre-flight)."""
+        return [("length", "skills", self.n_items, self.length)]
+
     def longest_prompt(self) -> tuple[str, int, int]:
         """Tokens per prompt, for the position check (the question is inside `length`)."""
         return "length", self.length, 0

@@ -77,4 +77,5 @@ def run(ctx: Context) -> None:
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "edit"
 CONFIG = EditConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = "edit strategies: P(correct), recovery, recompute fraction, time vs full re-prefill"

@@ -326,5 +326,6 @@ def run_frozen(ctx: Context, cfg: HeadsHeldoutConfig) -> None:
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "heads_heldout"
 CONFIG = HeadsHeldoutConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = ("read heads ranked by their effect on the other items (cross-fitted), beside attention and in-sample; "
         "frozen_from: heads frozen on another run, tested unranked")

@@ -55,4 +55,5 @@ def run(ctx: Context) -> None:
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "ksweep"
 CONFIG = KSweepConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = "selective@K sweep: field + K note positions, copy vs recompute, by effect vs attention"

@@ -278,4 +278,5 @@ def summarize(records: Sequence[Mapping[str, Any]], cfg: LocalizeConfig) -> dict
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "localize"
 CONFIG = LocalizeConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = "where the notes are: positions ranked on the other items of the template, nested top-k sets, smallest set to 0.8"

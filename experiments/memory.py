@@ -75,6 +75,10 @@ class MemoryConfig:
         if self.locomo_max_tokens < 16 or self.max_new_tokens < 1:
             raise ConfigError("locomo_max_tokens >= 16 and max_new_tokens >= 1 are needed")
 
+    def suite_lengths(self) -> list[tuple[str, str, int, int]]:
+        """(setting, suite, n_items, length) of the suite this job builds (runner's pre-flight)."""
+        return [("length", "memory", self.n_items, self.length)] if self.n_items else []
+
     def longest_prompt(self) -> tuple[str, int, int]:
         """The longest prompt and the greedy answer generated after it, for the position check: a
         synthetic prompt of `length` tokens, or with LoCoMo a memory block of `locomo_max_tokens`

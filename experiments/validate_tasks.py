@@ -112,4 +112,5 @@ if __name__ == "__main__":
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "validate_tasks"
 CONFIG = ValidateTasksConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = "accuracy, flip rate and |score delta| per domain; writes the usable item ids"

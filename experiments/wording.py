@@ -41,4 +41,5 @@ def run(ctx: Context) -> None:
 # The job convention (runner/jobs.py): the runner finds this experiment by these names.
 NAME = "wording"
 CONFIG = WordingConfig
+READS_TASK = True  # builds the task group's items: the runner checks task.length before loading
 HELP = "erratum wording ablation: bare, tagged, explicit override, disregard-and-re-evaluate"

@@ -84,7 +84,7 @@ class RunConfig:
     resume: bool = True  # continue the newest unfinished run with the same config hash
     cache_dir: str | None = None  # None: ~/.cache/kvnotes
     progress: bool = True  # tqdm bars over units
-    threads: int | None = None  # torch CPU threads; None: this process's cores, split among parallel jobs
+    threads: int | None = None  # torch CPU threads; None: OMP_NUM_THREADS, else this process's cores split among parallel jobs
     # What a load checks of a packaged model's weights: `header` (sizes and safetensors headers,
     # milliseconds; a byte changed inside a tensor passes, and meta.json says its weights_sha256
     # is the conversion's record) or `full` (every byte re-hashed: 0.36 s for llama's 517 MB on a

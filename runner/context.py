@@ -1,5 +1,6 @@
-"""The runner's side of a job: the model it loads, the task items it builds, the Context an
-experiment receives (the shape of experiments.shared.context.Context)."""
+"""The runner's side of a job: the model it loads, the task items it builds (their lengths checked
+first, with the tokenizer alone), the Context an experiment receives (the shape of
+experiments.shared.context.Context)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ from tqdm.auto import tqdm
 
 from kvnotes import tasks
 from kvnotes.errors import ConfigError
-from kvnotes.models import LoadedModel, load_model, resolve_device, resolve_dtype
-from kvnotes.models.tiny import tiny_model
+from kvnotes.models import (
+    LoadedModel,
+    WeightsError,
+    get_spec,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from kvnotes.models.loading import has_chat
+from kvnotes.models.tiny import tiny_model, tiny_tokenizer
 from kvnotes.pairs.file import load_pairs
 from kvnotes.tasks.item import TaskItem
 from runner.config import Job, RunConfig
@@ -64,6 +74,63 @@ def load_items(model: LoadedModel, cfg: RunConfig) -> list[TaskItem]:
         return list(tasks.build_suite(tokenizer=model.tokenizer, chat=use_chat(cfg, model), **kwargs))
     except ValueError as e:  # a length below the prompt's skeleton, outcomes this tokenizer merges
         raise ConfigError(f"task {cfg.task.name!r}: {e}") from None
+
+
+def preflight_tokenizer(cfg: RunConfig) -> Any | None:
+    """The tokenizer the configured model loads with, read without its weights: a tiny model's,
+    or a packaged model's (from its converted folder, else its GGUF); None for a hub model, or one
+    whose files are not on this machine yet (its load then fetches them or says what is missing)."""
+    if cfg.model.tiny_family is not None:
+        return tiny_tokenizer()
+    if get_spec(cfg.model.name).source != "package":
+        return None
+    try:
+        return load_tokenizer(cfg.model.name, cfg.cache_dir)
+    except (WeightsError, OSError, ValueError) as e:
+        log.info("prompt lengths are checked when the model has loaded (no tokenizer yet: %s)", e)
+        return None
+
+
+SuiteCheck = tuple[str, str, dict[str, Any]]  # what, the setting to raise, build_suite's kwargs
+
+
+def suite_checks(job: Job) -> list[SuiteCheck]:
+    """Every suite the job builds from its config: the task group's (a probe, or an experiment
+    with READS_TASK) and the job config's own (`suite_lengths()`: setting, suite, n_items, length)."""
+    cfg, out = job.cfg, []
+    if job.entry.reads_task and cfg.task is not None and cfg.task.KIND != "pairs":  # a prompts file is used as written
+        kwargs = cfg.task.build_kwargs()
+        if kwargs["seed"] is None:  # the run's seed draws the suite unless the task pins one
+            kwargs["seed"] = cfg.seed
+        out.append((f"task {cfg.task.name!r}", "task.length", kwargs))
+    own = getattr(job.params, "suite_lengths", None)
+    if callable(own):
+        for setting, suite, n_items, length in own():
+            out.append((f"{job.kind}.{setting} (suite {suite!r})", f"{job.kind}.{setting}",
+                        {"suite": suite, "n_items": n_items, "length": length, "seed": cfg.seed}))
+    return out
+
+
+def check_lengths(job: Job) -> None:
+    """ConfigError when a suite's prompts need more tokens than the job gives them, before any
+    weights load or run directory is made: each item's skeleton tokenized by the model's own
+    tokenizer (`kvnotes.tasks.required_length`, milliseconds). Without a tokenizer yet the build
+    after the load says it (`load_items`)."""
+    checks = suite_checks(job)
+    tok = preflight_tokenizer(job.cfg) if checks else None
+    if tok is None:
+        return
+    spec = None if job.cfg.model.tiny_family is not None else get_spec(job.cfg.model.name)
+    chat = bool(job.cfg.model.chat and has_chat(spec, tok))  # as use_chat on the loaded model
+    for what, setting, kwargs in checks:
+        length = kwargs.pop("length")
+        try:
+            need, item = tasks.required_length(tokenizer=tok, chat=chat, **kwargs)
+        except ValueError as e:  # outcomes this tokenizer merges, a suite that cannot be built
+            raise ConfigError(f"{what}: {e}") from None
+        if length < need:
+            raise ConfigError(f"{what}: length {length} is below the {need} tokens item {item} needs "
+                              f"without filler; use {setting} >= {need}")
 
 
 def item_key(item: Any, index: int) -> str:

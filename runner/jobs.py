@@ -6,7 +6,9 @@ A job is one module of probes/ (a probe) or experiments/ (an experiment) that de
 * CONFIG: its config dataclass (validated in `__post_init__`), or None;
 * run: a probe's `run(model, items, cfg) -> records` (one dict per item and condition), or an
   experiment's `run(ctx) -> records | None` (ctx: experiments.Context);
-* summarize (optional): `summarize(records, cfg) -> dict`, summary.json's job-specific part.
+* summarize (optional): `summarize(records, cfg) -> dict`, summary.json's job-specific part;
+* READS_TASK (optional, experiments): True when it builds the task group's items (`ctx.items()`),
+  so the runner checks `task.length` against the suite before the model loads (probes always do).
 
 Its help line is HELP, else the first line of the module docstring. Modules without NAME (helpers, the two
 command-line entry files of experiments/) are not jobs; names starting with `_` are not read.
@@ -35,6 +37,7 @@ class Entry:
     config_cls: type | None  # typed dataclass for the probe/experiment group, or None
     help: str
     module: str = ""  # the module that defines it
+    reads_task: bool = False  # builds the task group's items: a probe, or an experiment's READS_TASK
 
 
 _ENTRIES: dict[tuple[Kind, str], Entry] = {}
@@ -52,7 +55,8 @@ def entry_of(module: ModuleType, kind: Kind) -> Entry | None:
     doc = (module.__doc__ or "").strip()
     help_ = getattr(module, "HELP", None) or (doc.splitlines()[0] if doc else "")
     return Entry(name, kind, run, summarize if callable(summarize) else None,
-                 getattr(module, "CONFIG", None), help_, module.__name__)
+                 getattr(module, "CONFIG", None), help_, module.__name__,
+                 reads_task=kind == "probe" or getattr(module, "READS_TASK", False) is True)
 
 
 def add(entry: Entry) -> None:

@@ -17,7 +17,7 @@ import random
 import shlex
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from kvnotes.measure import provenance
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
-from runner.context import Context, item_key, load
+from runner.context import Context, check_lengths, item_key, load
 from runner.endings import (
     disk_failure,
     interrupted_line,
@@ -157,6 +157,8 @@ def run(cfg: DictConfig) -> Path:
     job = validate(cfg)  # nothing is written before the config is valid
 
     device = str(resolve_device(job.cfg.device))
+    threads, why = threads_for(job.cfg)  # a bad OMP_NUM_THREADS is refused before the run dir
+    check_lengths(job)  # a task.length below its suite's prompts too, with the tokenizer alone
     with open_dict(cfg):  # the margin the run judges by, resolved (kvnotes.measure.margins), is saved
         cfg.model.margin = job.cfg.model.margin
     chash = config_hash(cfg, device)
@@ -168,13 +170,15 @@ def run(cfg: DictConfig) -> Path:
         "device": device,
         **provenance.collect(),
     }
+    # the threads the job runs with, not the ones this process had before the runner set them
+    meta["machine"] = {**meta["machine"], **ran_with(job, threads, why)}
     attempt = {"command": command_line(), "overrides": hydra_overrides(), "pid": os.getpid(),
                "host": socket.gethostname()}
     rd = RunDir.open(Path(job.cfg.results_dir), job.name, job.cfg.model.name, cfg, chash,
                      job.cfg.resume, meta, attempt)
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM ends the run as Ctrl-C does
-            _run_in(rd, job)
+            _run_in(rd, job, threads, why)
     finally:
         rd.close()
     return rd.path
@@ -196,24 +200,49 @@ def parallel_jobs() -> int:
     return 1 if not n else (cores if int(n) < 0 else min(int(n), cores))
 
 
-def threads_for(cfg: RunConfig) -> tuple[int, str]:
-    """torch's CPU threads for a job, and why: the config's `threads`, else this process's cores
-    split among the jobs a parallel multirun runs at once (N jobs on C cores never run N x C)."""
-    cores = _cores()
+def env_threads(env: Mapping[str, str]) -> int | None:
+    """OMP_NUM_THREADS as a thread count (the first of a nested list "4,2", as OpenMP reads it),
+    None when unset or empty; ConfigError in one line when it is not a count >= 1."""
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS={raw!r} is not a thread count >= 1: set it to one "
+                          f"(e.g. OMP_NUM_THREADS=1) or unset it")
+    return int(first)
+
+
+def threads_for(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """torch's CPU threads for a job, and why: the config's `threads`, else OMP_NUM_THREADS when
+    set, else this process's cores split among the jobs a parallel multirun runs at once (N jobs on
+    C cores never run N x C). In a joblib multirun OMP_NUM_THREADS caps each job's share: joblib
+    sets it in its workers (to the user's value, or to its own split)."""
     if cfg.threads is not None:
-        n, why = cfg.threads, "threads= in the config"
-    else:
-        jobs = parallel_jobs()
-        n, why = max(1, cores // jobs), f"{cores} cores / {jobs} parallel job{'s' if jobs > 1 else ''}"
-    return n, why
+        return cfg.threads, "threads= in the config"
+    omp = env_threads(os.environ if env is None else env)
+    cores, jobs = _cores(), parallel_jobs()
+    split = max(1, cores // jobs)
+    if omp is not None and (jobs == 1 or omp < split):
+        return omp, f"OMP_NUM_THREADS={omp}"
+    return split, f"{cores} cores / {jobs} parallel job{'s' if jobs > 1 else ''}"
 
 
-def _run_in(rd: RunDir, job: Job) -> None:
+def ran_with(job: Job, threads: int, why: str) -> dict[str, Any]:
+    """meta.json's record of the job's torch threads: the runner's, or the job's own `threads`
+    setting, which the job applies around its work (the composition experiments' timing)."""
+    own = getattr(job.params, "threads", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own >= 1:
+        threads, why = own, f"{job.kind}.threads={own}"
+    return {"torch_threads": threads, "torch_threads_from": why}
+
+
+def _run_in(rd: RunDir, job: Job, threads: int, why: str) -> None:
     """Run the job inside an open (locked) run directory; its status says how it ended."""
     try:
         record_invocation(rd.path, len(rd.meta["attempts"]))
         with RunLog(rd.path):
-            writer = _run_job(rd, job)
+            writer = _run_job(rd, job, threads, why)
     except KeyboardInterrupt:
         record_end(rd, "interrupted")
         raise
@@ -226,13 +255,13 @@ def _run_in(rd: RunDir, job: Job) -> None:
     writer.cleanup()  # never raises: a completed run stays completed
 
 
-def _run_job(rd: RunDir, job: Job) -> RecordWriter:
-    """Load, run and summarise; the run is marked completed here (logged in run.log)."""
+def _run_job(rd: RunDir, job: Job, threads: int, why: str) -> RecordWriter:
+    """Load, run and summarise with `threads` torch threads; the run is marked completed here
+    (logged in run.log)."""
     log.info("%s run dir: %s", "resuming" if rd.resumed else "new", rd.path)
     log.info("command: %s", command_line())
     try:
         _seed(job.cfg.seed)
-        threads, why = threads_for(job.cfg)
         log.info("torch threads: %d (%s)", threads, why)
         with torch_threads(threads):  # restored after the job
             model = load(job.cfg)

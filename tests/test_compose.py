@@ -40,7 +40,26 @@ def test_splice_many_and_bad_seam(tiny):
     full = run.prefill(tiny, compose.block_ids(blocks)).cache
     assert out.max_abs_diff(full) <= ATOL_FP32
     with pytest.raises(ValueError, match="seam"):
-        compose.splice(tiny, None, blocks[0], seam=9)
+        compose.splice(tiny, None, blocks[0], seam=-1)
+
+
+def test_splice_and_transplant_follow_one_seam_rule(tiny):
+    """A seam longer than a block recomputes all of it, in both; a bad seam is refused by both
+    with the same line (issue #49: splice refused seam > L, transplant took it)."""
+    pre = run.prefill(tiny, _ids(10, 0)).cache
+    blocks = [compose.prefill_block(tiny, _ids(n, s)) for n, s in ((8, 1), (5, 2))]
+    longer = compose.splice_many(tiny, pre, blocks, seam=6)  # > the second block's 5 tokens
+    assert longer.max_abs_diff(compose.transplant(tiny, pre, blocks, 6)) <= ATOL_FP32
+    whole = compose.splice(tiny, pre, blocks[0], seam=100)
+    assert whole.max_abs_diff(compose.splice(tiny, pre, blocks[0], seam=len(blocks[0]))) == 0.0
+    assert whole.max_abs_diff(compose.transplant(tiny, pre, blocks[0], 100)) <= ATOL_FP32
+    for bad in (-1, 2.5, "4", True):
+        with pytest.raises(ValueError) as by_splice:
+            compose.splice(tiny, pre, blocks[0], seam=bad)
+        with pytest.raises(ValueError) as by_transplant:
+            compose.transplant(tiny, pre, blocks, bad)
+        assert str(by_splice.value) == str(by_transplant.value) == f"seam must be an int >= 0, got {bad!r}"
+    assert [compose.seam_tokens(k, 5) for k in (0, 3, 5, 9)] == [0, 3, 5, 5]
 
 
 @pytest.mark.real

@@ -93,3 +93,43 @@ def test_transplant_errors(ec, tmp_path):
     path = store.save_block(tmp_path / "b.safetensors", other, compose.prefill_block(other, [5, 6, 7]))
     with pytest.raises(store.BlockMismatchError, match="weights"):
         ec.transplant(path)
+
+
+# --- the user's own erratum sentence (issue #49) --------------------------------------------------
+BADGE = "Visitor log:\nbadge: red\n\nQuestion: what colour is the badge?\nAnswer:"
+
+
+def test_own_erratum_sentence_is_inserted_as_written():
+    ec = EditableCache(tiny_model("llama"), BADGE)
+    sentence = "Erratum: the badge is blue."
+    r = ec.edit("badge: red", "badge: blue", erratum=sentence)
+    assert r.ids == ec.ids + ec._encode("\n" + sentence + "\n"), "the end, on a line of its own"
+    assert r.text == BADGE + "\n" + sentence + "\n" and r.strategy == "erratum"
+    assert (r.next_token_logits() - _ref(ec, r.ids)).abs().max().item() <= ATOL_FP32
+    # what a user wrote by hand before: extend the prompt's cache by the sentence's tokens
+    by_hand = run.extend(ec.model, ec.cache, list(r.ids[ec.cache.seq_len : -1])).cache
+    assert r.cache.max_abs_diff(by_hand) == 0.0
+    before = ec.edit("badge: red", "badge: blue", erratum=sentence, insert_before="Question:")
+    assert "badge: red\n\n" + sentence + "\nQuestion:" in before.text
+    assert (before.next_token_logits() - _ref(ec, before.ids)).abs().max().item() <= ATOL_FP32
+
+
+def test_named_wordings_are_unchanged_beside_an_own_erratum(ec):
+    default = ec.edit("account_role: admin", "account_role: guest")
+    explicit = ec.edit("account_role: admin", "account_role: guest", wording="explicit")
+    assert default.ids == explicit.ids
+    assert "[STATE UPDATE] account_role has changed to guest; this overrides" in default.text
+    bare = ec.edit("account_role: admin", "account_role: guest", wording="bare")
+    assert bare.text.endswith("Next action:\naccount_role: guest\n")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"erratum": "The role is guest.", "wording": "bare"}, "drop field= and wording="),
+    ({"erratum": "The role is guest.", "field": "role"}, "drop field= and wording="),
+    ({"erratum": "  "}, "erratum is the sentence to insert"),
+    ({"erratum": "The role is guest.", "strategy": "full_downstream"}, "drop erratum= or use 'erratum'"),
+    ({"wording": "polite"}, r"unknown wording 'polite'; valid: explicit, .* or your own sentence"),
+])
+def test_own_erratum_misuse_is_one_line(ec, kwargs, message):
+    with pytest.raises(EditError, match=message):
+        ec.edit("account_role: admin", "account_role: guest", **kwargs)

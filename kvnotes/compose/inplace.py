@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvnotes.compose.splice import Block, checked_blocks
+from kvnotes.compose.splice import Block, checked_blocks, seam_tokens
 from kvnotes.engine.cache import KVCache
 from kvnotes.engine.run import Ids, as_ids
 from kvnotes.engine.segments import Segment, SegmentedCache, SegmentStep, extend_segments
@@ -31,7 +31,7 @@ def segments_of(
     seam_pos, seam_ids = [], []
     at = 0 if prefix is None else prefix.seq_len
     for blk in blks:
-        k = min(seam, len(blk))
+        k = seam_tokens(seam, len(blk))
         seam_pos.append(torch.arange(at, at + k))
         seam_ids.append(blk.ids[:, :k])
         if k < len(blk):  # the block as stored (a no-op move when it is on the model's device)

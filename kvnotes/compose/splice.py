@@ -8,6 +8,7 @@ tokens against the real prefix, which heals most of that loss (K = L is a full r
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,18 +50,33 @@ def prefill_block(model: LoadedModel, ids: Ids) -> Block:
     return Block(x.cpu(), prefill(model, x).cache)
 
 
+def seam_tokens(seam: int, length: int) -> int:
+    """How many of a block's `length` tokens a seam of `seam` recomputes: min(seam, length).
+
+    The one seam rule of `splice` and `transplant`: a seam is an int >= 0, and one at least as
+    long as a block recomputes all of it (exact), so one seam serves blocks of any lengths.
+    """
+    try:
+        k = operator.index(seam)  # an int, numpy's included; not 2.5 or "4"
+    except TypeError:
+        raise ValueError(f"seam must be an int >= 0, got {seam!r}") from None
+    if k < 0 or isinstance(seam, bool):
+        raise ValueError(f"seam must be an int >= 0, got {seam!r}")
+    return min(k, length)
+
+
 def splice(model: LoadedModel, prefix: KVCache | None, block: Block, seam: int = 0) -> KVCache:
-    """prefix + block, the block's keys rotated to follow the prefix; first `seam` tokens recomputed."""
-    if not 0 <= seam <= len(block):
-        raise ValueError(f"seam must be in 0..{len(block)}, got {seam}")
+    """prefix + block, the block's keys rotated to follow the prefix; its first `seam` tokens
+    recomputed (all of them when seam >= its length: `seam_tokens`)."""
+    k = seam_tokens(seam, len(block))
     at = 0 if prefix is None else prefix.seq_len
     moved = reposition(model, block.cache.to(device=model.device), at)
-    if seam == 0:
+    if k == 0:
         return moved if prefix is None else cat([prefix, moved])
-    repaired = extend(model, prefix, block.ids[:, :seam]).cache  # prefix + first `seam` tokens
-    if seam == len(block):
+    repaired = extend(model, prefix, block.ids[:, :k]).cache  # prefix + first k tokens
+    if k == len(block):
         return repaired
-    return cat([repaired, moved.slice(seam)])
+    return cat([repaired, moved.slice(k)])
 
 
 def splice_many(
@@ -178,8 +194,7 @@ def checked_blocks(prefix: KVCache | None, blocks: Block | Sequence[Block], seam
     blks = [blocks] if isinstance(blocks, Block) else list(blocks)
     if not blks:
         raise ValueError("nothing to transplant")
-    if seam < 0:
-        raise ValueError(f"seam must be >= 0, got {seam}")
+    seam_tokens(seam, 0)  # the seam rule, before any block is read
     dtype = blks[0].cache.dtype
     bad = [b.cache.dtype for b in blks if b.cache.dtype != dtype]
     if prefix is not None and prefix.dtype != dtype:
@@ -203,7 +218,7 @@ def _assemble(
     total = start + sum(len(b) for b in blks)
     seams, seam_ids, pos = [], [], start
     for blk in blks:  # the seam slots of every block, in order
-        k = min(seam, len(blk))
+        k = seam_tokens(seam, len(blk))
         seams.append(torch.arange(pos, pos + k))
         seam_ids.append(blk.ids[:, :k])
         pos += len(blk)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvnotes.compose.splice import Block, transplant
+from kvnotes.compose.splice import Block, seam_tokens, transplant
 from kvnotes.compose.store import load_block
 from kvnotes.edit import registry
 from kvnotes.edit.strategies import ERRATA
@@ -77,13 +77,15 @@ class EditResult:
         (`EditableCache.transplant`'s arguments)."""
         return EditableCache.from_result(self).transplant(blocks, seam, insert_before)
 
-    def generate(self, max_new_tokens: int = 16, **kwargs: Any) -> GenerateOutput:
+    def generate(self, max_new_tokens: int | None = None, **kwargs: Any) -> GenerateOutput:
         """Continuation from the edited cache (`model.generate` on a DynamicCache copy of it).
 
         Greedy unless `kwargs` say otherwise: they pass through to `generate` (`do_sample=True`,
-        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`, a
-        `generation_config`, ...). Returns a `GenerateOutput`: `.text` (also `str(out)`),
-        `.texts`, `.ids` (the new tokens, [n, new]), `.sequences`, and `.scores` when asked.
+        `temperature`, `top_p`, `num_return_sequences`, `num_beams`, `output_scores=True`,
+        `stop_strings`, a `generation_config`, ...). `max_new_tokens` new tokens, or `max_length`
+        in all, prompt included, as in Hugging Face (neither: 16 new tokens). Returns a
+        `GenerateOutput`: `.text` (also `str(out)`), `.texts`, `.ids` (the new tokens, [n, new]),
+        `.sequences`, and `.scores` when asked.
         """
         gen = {"do_sample": False, **kwargs}
         return generate(self.model, self.cache, list(self.ids), max_new_tokens, **gen)
@@ -165,19 +167,25 @@ class EditableCache:
         return next((i for i, s in enumerate(starts) if s >= char), len(self.ids))
 
     def edit(self, old: str, new: str, strategy: str = "erratum", field: str | None = None,
-             k: int = 8, wording: str = "explicit", insert_before: str | None = None) -> EditResult:
+             k: int = 8, wording: str | None = None, insert_before: str | None = None,
+             erratum: str | None = None) -> EditResult:
         """The prompt with `old` (a unique text in it) now reading `new`, by `strategy`.
 
-        `field` names the value in the erratum (default: the text before `old` on its line, e.g.
-        'account_role'); `insert_before` places the erratum before that text (default: the end).
+        The erratum is a named `wording` (kvnotes.edit.strategies.ERRATA, default 'explicit')
+        filled with `field` (default: the text before `old` on its line, e.g. 'account_role') and
+        `new`, or your own sentence `erratum` ("Erratum: the badge is blue."), inserted as written
+        on a line of its own; `insert_before` places it before that text (default: the end).
         """
         try:  # the strategies offered on a prompt: kvnotes.edit.registry, on_prompt=True
             strategy = registry.get(strategy, on_prompt=True).name
         except ConfigError as e:
             raise EditError(str(e)) from None
+        if erratum is not None:
+            _check_own_erratum(erratum, strategy, field, wording)
         at = self._locate(old)
         if strategy == "erratum":
-            return self._erratum(at, old, new, field, wording, insert_before)
+            text = erratum if erratum is not None else self._wording(at, old, new, field, wording)
+            return self._erratum(at, old, text, insert_before)
         new_ids = self._encode(self.prompt[:at] + new + self.prompt[at + len(old):])
         c = next((i for i, (a, b) in enumerate(zip(self.ids, new_ids)) if a != b), min(len(self.ids), len(new_ids)))
         if strategy == "oracle":
@@ -203,8 +211,9 @@ class EditableCache:
         down = list(range(start, self.cache.seq_len))
         return [down[i] for i in torch.argsort(w[down], descending=True).tolist()]
 
-    def _erratum(self, at: int, old: str, new: str, field: str | None, wording: str,
-                 insert_before: str | None) -> EditResult:
+    def _wording(self, at: int, old: str, new: str, field: str | None, wording: str | None) -> str:
+        """The named erratum `wording` (default 'explicit') saying `field` is now `new`."""
+        wording = "explicit" if wording is None else wording
         if field is None and ":" in old:  # "account_role: admin" -> account_role
             field = old.split(":", 1)[0].strip()
         if field is None:
@@ -213,8 +222,13 @@ class EditableCache:
         if ":" in new and new.split(":", 1)[0].strip() == field:
             new = new.split(":", 1)[1].strip()
         if wording not in ERRATA:
-            raise EditError(f"unknown wording {wording!r}; valid: {', '.join(ERRATA)}")
-        text = ERRATA[wording].format(field=field, value=new) + "\n"
+            raise EditError(f"unknown wording {wording!r}; valid: {', '.join(ERRATA)}, or your own "
+                            f"sentence as erratum='...'")
+        return ERRATA[wording].format(field=field, value=new)
+
+    def _erratum(self, at: int, old: str, sentence: str, insert_before: str | None) -> EditResult:
+        """The prompt with the line `sentence` inserted before `insert_before` (default: the end)."""
+        text = sentence + "\n"
         if insert_before is None:
             b, text = len(self.ids), "\n" + text
         else:
@@ -268,8 +282,19 @@ class EditableCache:
         rest = list(ids[cache.seq_len:-1])
         if rest:
             cache = extend(self.model, cache, rest).cache
-        recomputed = sum(min(seam, len(blk)) for blk in blks) + len(rest)
+        recomputed = sum(seam_tokens(seam, len(blk)) for blk in blks) + len(rest)
         return EditResult(self.model, ids, cache, "transplant", recomputed + self._resynced)
+
+
+def _check_own_erratum(erratum: str, strategy: str, field: str | None, wording: str | None) -> None:
+    """EditError unless `erratum` is text for the erratum strategy, given without field/wording."""
+    if strategy != "erratum":
+        raise EditError(f"erratum= is the sentence strategy 'erratum' inserts; strategy "
+                        f"{strategy!r} rewrites the value instead: drop erratum= or use 'erratum'")
+    if not isinstance(erratum, str) or not erratum.strip():
+        raise EditError(f"erratum is the sentence to insert (text), got {erratum!r}")
+    if field is not None or wording is not None:
+        raise EditError("erratum= is the whole sentence, used as written: drop field= and wording=")
 
 
 def _near(prompt: str, old: str, width: int = 60) -> str:

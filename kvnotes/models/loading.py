@@ -88,9 +88,7 @@ class LoadedModel:
 
     @property
     def chat(self) -> bool:
-        if self.spec is not None and not self.spec.chat:
-            return False
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return has_chat(self.spec, self.tokenizer)
 
     @property
     def nnsight(self) -> Any:
@@ -125,6 +123,13 @@ class LoadedModel:
         if self.weights is not None:
             out.update(self.weights.provenance())
         return out
+
+
+def has_chat(spec: ModelSpec | None, tokenizer: Any) -> bool:
+    """A chat model: its registry entry does not say otherwise and its tokenizer has a chat template."""
+    if spec is not None and not spec.chat:
+        return False
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def _hub_offline() -> bool:
@@ -293,6 +298,43 @@ def freeze(hf: nn.Module) -> None:
     hf.requires_grad_(False)
 
 
+BOOTED = ("pass a copy.deepcopy of the HF model made before TransformerBridge.boot_transformers "
+          "(booting rewires the model it gets: bridge wrappers around its modules, eager attention, "
+          "so kvnotes would not compute what the HF model computes)")
+
+
+def _from_library(obj: object, package: str) -> bool:
+    return type(obj).__module__.split(".")[0] == package
+
+
+def unwrap(hf: Any, tokenizer: Any = None) -> tuple[nn.Module, Any, Any]:
+    """(HF module, tokenizer, nnsight wrapper or None) of what `wrap_model` was given.
+
+    An nnsight `LanguageModel` gives its own module (its weights loaded, as its first trace would
+    load them), its tokenizer when none is passed, and itself as `.nnsight`. A TransformerBridge,
+    or an HF model one was booted over (`bridge.original_model`), is refused in one line: booting
+    rewires the module (its logits move by ~2e-7 in fp32 from a fresh copy's on tiny llama).
+    """
+    if _from_library(hf, "transformer_lens"):
+        raise ValueError(f"wrap_model got a TransformerLens {type(hf).__name__}, not an HF model: {BOOTED}")
+    lens = None
+    if _from_library(hf, "nnsight"):
+        if callable(getattr(hf, "dispatch", None)):
+            hf.dispatch()  # a model built from a hub id holds meta tensors until dispatched
+        lens, inner = hf, getattr(hf, "_module", None)
+        if not isinstance(inner, nn.Module):
+            raise ValueError(f"wrap_model got a {type(hf).__name__} that wraps no torch module")
+        if tokenizer is None:
+            tokenizer = getattr(hf, "tokenizer", None)
+        hf = inner
+    if not isinstance(hf, nn.Module):
+        raise ValueError(f"wrap_model takes an HF causal LM (a torch module), not {type(hf).__name__}")
+    if any(_from_library(m, "transformer_lens") for m in hf.modules()):
+        raise ValueError(f"wrap_model got a {type(hf).__name__} that a TransformerBridge was booted "
+                         f"over: {BOOTED}")
+    return hf, tokenizer, lens if callable(getattr(lens, "trace", None)) else None
+
+
 def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> LoadedModel:
     """Wrap an already-built HF causal LM of a supported family for the kvnotes engine.
 
@@ -300,12 +342,15 @@ def wrap_model(hf: nn.Module, tokenizer: Any = None, name: str = "custom") -> Lo
     adapter comes from its config's `model_type`, nothing is checked or moved, and blocks it
     stores are told apart by a fingerprint of its parameters. Pass the tokenizer for `EditableCache`
     and `.nnsight`. Your module's `requires_grad` flags are left as they are (`freeze(hf)` turns
-    them off, as `load_model` does, so nnsight outputs carry no gradient).
+    them off, as `load_model` does, so nnsight outputs carry no gradient). An nnsight
+    `LanguageModel` is unwrapped to its module and kept as `.nnsight`; a TransformerBridge is
+    refused (`unwrap`: give the HF model, copied before booting).
     """
-    config: Any = hf.config
+    module, tokenizer, lens = unwrap(hf, tokenizer)
+    config: Any = module.config
     adapter = adapter_for(config.get_text_config(decoder=True).model_type)
-    hf.eval()
-    return LoadedModel(name, hf, tokenizer, adapter)
+    module.eval()
+    return LoadedModel(name, module, tokenizer, adapter, _nnsight=lens)
 
 
 def describe_cache() -> str:

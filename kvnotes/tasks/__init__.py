@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.tasks.domains import Domain, domain_names
-from kvnotes.tasks.gated import build_item
+from kvnotes.tasks.gated import build_item, skeleton_length
 from kvnotes.tasks.item import TaskItem
-from kvnotes.tasks.memory import build_memory_item
+from kvnotes.tasks.memory import build_memory_item, memory_skeleton_length
 from kvnotes.tasks.scoring import ItemScore, score_items
-from kvnotes.tasks.skills import build_skill_item
+from kvnotes.tasks.skills import build_skill_item, skill_skeleton_length
 from kvnotes.tasks.templates import (
     Design,
     Suite,
@@ -43,6 +43,7 @@ __all__ = [
     "TaskItem",
     "UnknownSuiteError",
     "build_suite",
+    "required_length",
     "domain_names",
     "load_suite",
     "score_items",
@@ -88,3 +89,32 @@ def build_suite(
         )
     log.info("built %d %s items (length %d, seed %d, chat=%s)", n, suite, L, sd, fr.chat)
     return items
+
+
+SKELETONS = {"gated": skeleton_length, "skills": skill_skeleton_length, "memory": memory_skeleton_length}
+
+
+def required_length(
+    suite: str,
+    tokenizer: Any,
+    chat: bool = True,
+    n_items: int | None = None,
+    seed: int | None = None,
+    domains: Sequence[str] | None = None,
+    design: Mapping[str, Any] | None = None,
+    template_dirs: Sequence[str | Path] = (),
+) -> tuple[int, int]:
+    """(tokens, item index) of the suite's longest item without filler: the least `length`
+    `build_suite` takes with these arguments, found by tokenizing each item's skeleton (no
+    filler fitted, no model). Arguments as `build_suite`'s."""
+    s = configured_suite(suite, template_dirs, domains, design)
+    n = s.n_items if n_items is None else n_items
+    if n < 1:
+        raise ValueError(f"n_items must be >= 1, got {n}")
+    if s.kind not in SKELETONS:
+        raise ValueError(f"suite {suite!r} is of kind {s.kind!r}: use kvnotes.tasks.agents.build_scenarios")
+    fr = frame(tokenizer, chat)
+    sd = s.seed if seed is None else seed
+    need = [SKELETONS[s.kind](s, tokenizer, fr, i, sd) for i in range(n)]
+    longest = max(range(n), key=need.__getitem__)
+    return need[longest], longest

@@ -203,12 +203,21 @@ def _correct(d: Draw) -> tuple[str, str]:
     return c, c
 
 
+def _skeleton(suite: Suite, tok: Any, fr: Frame, d: Draw) -> int:
+    return len(assemble(tok, prompt_pieces(suite, d, fr, [])).old_ids)
+
+
+def skeleton_length(suite: Suite, tok: Any, fr: Frame, index: int, seed: int) -> int:
+    """Tokens of item `index` without filler: the least `length` `build_item` renders it at."""
+    return _skeleton(suite, tok, fr, draw(suite, index, seed))
+
+
 def build_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
     """Render item `index` of a gated suite at `length` tokens (within a few tokens)."""
     if suite.variant == "trigger" and suite.design.fewshot:
         raise ValueError("trigger variant: demonstrations would contradict one of the rules; fewshot=0")
     d = draw(suite, index, seed)
-    base = len(assemble(tok, prompt_pieces(suite, d, fr, [])).old_ids)
+    base = _skeleton(suite, tok, fr, d)
     if length < base:
         raise ValueError(f"length {length} is below the {base} tokens item {index} needs without filler")
     rng = random.Random(f"{suite.name}:{seed}:{index}:filler")

@@ -74,14 +74,25 @@ def _pieces(fact: Fact, value: int, fr: Frame, log: list[str], profile: list[str
     return [p for p in out if p.text]
 
 
-def build_memory_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
-    """Item `index`: fact round-robin, old value alternating, fact line at a seeded slot."""
+def _fact(suite: Suite, index: int) -> tuple[Fact, int]:
+    """Item `index`'s fact (round-robin) and its old value (alternating)."""
     bank_ = facts()
     names = list(suite.options.get("facts") or sorted(bank_))
-    fact = bank_[names[index % len(names)]]
-    value = (index // len(names)) % 2
+    return bank_[names[index % len(names)]], (index // len(names)) % 2
+
+
+def memory_skeleton_length(suite: Suite, tok: Any, fr: Frame, index: int, seed: int) -> int:
+    """Tokens of item `index` without filler: the least `length` `build_memory_item` renders it
+    at (`seed` does not move it: the seeded parts are filler)."""
+    fact, value = _fact(suite, index)
+    return len(assemble(tok, _pieces(fact, value, fr, [], [], 0)).old_ids)
+
+
+def build_memory_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
+    """Item `index`: fact round-robin, old value alternating, fact line at a seeded slot."""
+    fact, value = _fact(suite, index)
     rng = random.Random(f"{suite.name}:{seed}:{index}")
-    base = len(assemble(tok, _pieces(fact, value, fr, [], [], 0)).old_ids)
+    base = memory_skeleton_length(suite, tok, fr, index, seed)
     if length < base:
         raise ValueError(f"length {length} is below the {base} tokens memory item {index} needs")
     budget = length - base

@@ -90,8 +90,17 @@ def _pieces(
     return [p for p in out if p.text]
 
 
-def build_skill_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
-    """Item `index`: `options.n_skills` blocks (default 3), target skill round-robin."""
+@dataclass(frozen=True)
+class _Plan:
+    """What item `index` holds before any filler: its skills in order, the target and its value."""
+
+    chosen: list[Skill]
+    target: Skill
+    value: int
+    layout_seed: float
+
+
+def _plan(suite: Suite, index: int, seed: int) -> _Plan:
     bank_ = skills()
     names = list(suite.options.get("skills") or sorted(bank_))
     n_skills = int(suite.options.get("n_skills", 3))
@@ -101,11 +110,26 @@ def build_skill_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int,
     others = rng.sample([n for n in names if n != target.name], n_skills - 1)
     chosen = [target] + [bank_[n] for n in others]
     rng.shuffle(chosen)
-    layout_seed = rng.random()
+    return _Plan(chosen, target, value, rng.random())
+
+
+def _skeleton(suite: Suite, tok: Any, fr: Frame, plan: _Plan) -> int:
+    empty: list[list[str]] = [[] for _ in plan.chosen]
+    return len(assemble(tok, _pieces(plan.chosen, empty, plan.target, plan.value, fr,
+                                     suite.design.fewshot, random.Random(plan.layout_seed))).old_ids)
+
+
+def skill_skeleton_length(suite: Suite, tok: Any, fr: Frame, index: int, seed: int) -> int:
+    """Tokens of item `index` without filler: the least `length` `build_skill_item` renders it at."""
+    return _skeleton(suite, tok, fr, _plan(suite, index, seed))
+
+
+def build_skill_item(suite: Suite, tok: Any, fr: Frame, index: int, length: int, seed: int) -> TaskItem:
+    """Item `index`: `options.n_skills` blocks (default 3), target skill round-robin."""
+    plan = _plan(suite, index, seed)
+    chosen, target, value, layout_seed = plan.chosen, plan.target, plan.value, plan.layout_seed
     fewshot = suite.design.fewshot
-    empty: list[list[str]] = [[] for _ in chosen]
-    base = len(assemble(tok, _pieces(chosen, empty, target, value, fr, fewshot,
-                                     random.Random(layout_seed))).old_ids)
+    base = _skeleton(suite, tok, fr, plan)
     if length < base:
         raise ValueError(f"length {length} is below the {base} tokens skill item {index} needs")
     share = (length - base) // len(chosen)

@@ -32,7 +32,8 @@ from tiny_runs import (  # noqa: F401
 
 import runner.main as runner
 from runner import rundir as output
-from runner.config import ConfigError
+from runner.config import ConfigError, validate
+from runner.context import suite_checks
 from runner.rundir import RecordWriter, RunDirError, RunLock
 
 
@@ -138,6 +139,76 @@ def test_task_length_below_the_prompt_skeleton_is_a_config_error(tmp_path):
                                        "task.n_items=1", "task.length=50", "progress=false"])
     with pytest.raises(ConfigError, match="task 'gated': length 50 is below the .* tokens item 0 needs"):
         runner.run(cfg)
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """runner.load fails the test: what is refused must be refused before the model loads."""
+    monkeypatch.setattr(runner, "load", lambda cfg: pytest.fail("the model loaded"))
+
+
+def test_a_short_task_length_is_refused_before_the_model_loads_or_a_run_dir(tmp_path, no_load):
+    """Issue #49: the refusal came after the load and left a failed run dir behind."""
+    from kvnotes import tasks
+    from kvnotes.models.tiny import tiny_tokenizer
+
+    need, item = tasks.required_length("gated", tiny_tokenizer(), chat=False, n_items=4, seed=0)
+    cfg = compose("config", overrides=["+experiment=validate_tasks", f"results_dir={tmp_path / 'runs'}",
+                                       *TINY, "task.n_items=4", f"task.length={need - 1}"])
+    with pytest.raises(ConfigError, match=rf"^task 'gated': length {need - 1} is below the {need} tokens "
+                                          rf"item {item} needs without filler; use task.length >= {need}$"):
+        runner.run(cfg)
+    assert not (tmp_path / "runs").exists()
+    probe = compose("config", overrides=["+probe=patching", f"results_dir={tmp_path / 'runs'}", *TINY,
+                                         "task=skills", "task.n_items=2", "task.length=300"])
+    with pytest.raises(ConfigError, match=r"^task 'skills': length 300 is below the \d+ tokens item"):
+        runner.run(probe)  # a probe always builds the task's items
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_packaged_models_tokenizer_checks_the_length_without_its_weights(tmp_path, no_load):
+    from kvnotes.models import WeightsError, load_tokenizer
+
+    try:
+        load_tokenizer("llama")
+    except WeightsError as e:
+        pytest.skip(f"llama's tokenizer is not fetched: {e}")
+    cfg = compose("config", overrides=["+experiment=validate_tasks", f"results_dir={tmp_path / 'runs'}",
+                                       "model=llama", "task.n_items=2", "task.length=100"])
+    with pytest.raises(ConfigError, match=r"^task 'gated': length 100 is below the 2\d\d tokens item"):
+        runner.run(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_blends_short_skills_length_is_refused_before_the_model_loads(tmp_path, no_load):
+    cfg = compose("config", overrides=["+experiment=blend", f"results_dir={tmp_path / 'runs'}", *TINY,
+                                       "experiment.workloads=[skills]", "experiment.n_items=2",
+                                       "experiment.skills_length=420"])
+    with pytest.raises(ConfigError, match=r"^experiment.skills_length \(suite 'skills'\): length 420 is "
+                                          r"below the \d+ tokens item \d needs without filler; use "
+                                          r"experiment.skills_length >= \d+$"):
+        runner.run(cfg)
+    assert not (tmp_path / "runs").exists()
+    blended = compose("config", overrides=["+experiment=blend", *TINY, "experiment.workloads=[memory]",
+                                           "experiment.skills_length=420"])
+    assert suite_checks(validate(blended)) == [], "no skills workload: nothing to check"
+
+
+def test_a_job_that_does_not_build_the_task_is_not_held_to_its_length(tmp_path):
+    run_dir = runner.run(selfcheck_cfg(tmp_path, "task.length=50", "threads=1"))  # selfcheck reads no task
+    assert read(run_dir / "meta.json")["status"] == "completed"
+
+
+def test_experiments_that_build_the_task_say_so():
+    """READS_TASK on every experiment whose source builds the task group's items."""
+    from runner import jobs
+
+    for name in jobs.names("experiment"):
+        entry = jobs.get("experiment", name)
+        source = Path(sys.modules[entry.module].__file__).read_text()
+        builds = "ctx.items()" in source or "experiments.shared.edits import" in source
+        assert entry.reads_task == builds, f"{entry.module}: READS_TASK = {builds} is missing or wrong"
+    assert all(jobs.get("probe", n).reads_task for n in jobs.names("probe"))
 
 
 def test_positions_are_checked_after_load_when_the_config_was_not_on_disk(monkeypatch):

@@ -229,9 +229,10 @@ def test_a_job_logs_its_memory_estimate_and_refuses_what_cannot_fit(tmp_path, mo
     log_text = (run_dir / "run.log").read_text()
     assert "estimated peak memory" in log_text and "torch threads: 1 (threads= in the config)" in log_text
     monkeypatch.setattr(timing, "available_bytes", lambda device: 1024)
+    # task.length=700: the tiny tokenizer's gated prompts need 695 tokens, checked before the memory
     with pytest.raises(MemoryBudgetError, match="does not fit"):
         runner.run(compose("config", overrides=[f"results_dir={tmp_path / 'b'}", "progress=false", *TINY,
-                                                "+probe=patching"]))
+                                                "+probe=patching", "task.length=700"]))
     assert seen == [1]  # the refused job never ran
 
 
