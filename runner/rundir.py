@@ -8,7 +8,8 @@ directory and making a new one happen under one lock (`<results>/<job>/.<model>.
 two identical runs started at once never both run: the second finds the first's directory held
 and is refused. A directory holding a link where its own files belong is refused too. A run is
 clean only if every attempt ran from a clean tree: each attempt keeps its commit and dirty flag,
-and the top level (`dirty`, `git.dirty`) is true when any attempt's was.
+and the top level (`dirty`, `git.dirty`) is true when any attempt's was. A completed run records
+the sha256 of its files in meta.json (`digests`), so an edit after the end shows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
+from kvnotes.measure.digests import run_digests
 from runner.files import (
     RunDirError,
     atomic_write,
@@ -314,7 +316,10 @@ class RunDir:
             attempt["wall_s"] = round(time.monotonic() - self.started, 3)
             self.meta["end_time"] = attempt["end_time"]
             self.meta["wall_s"] = round(sum(a.get("wall_s", 0.0) for a in self.meta["attempts"]), 3)
-        self.update(status=status, error=error)
+        self.meta.update(status=status, error=error)
+        if status == "completed":  # the run's files as it leaves them (kvnotes.measure.digests)
+            self.meta["digests"] = run_digests(self.path, self.meta)
+        self.update()
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(summary))
