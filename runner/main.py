@@ -34,6 +34,7 @@ from kvnotes.errors import ConfigError
 from kvnotes.measure import provenance
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
+from runner import harness
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, item_key, load
 from runner.endings import (
@@ -278,6 +279,7 @@ def cli() -> None:
     (then they want the full trace), we set it, catch composition errors and print one line.
     """
 
+    harness.check()  # a package a job imports after the model loads (scikit-learn), one line now
     prepare()
     if os.environ.get("HYDRA_FULL_ERROR"):
         main()
