@@ -289,6 +289,8 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         sys.exit(f"error: {compose_message(e)}")
+    except yaml.YAMLError as e:  # a config file Hydra's loader cannot read safely (a !!python tag)
+        sys.exit(f"error: {' '.join(str(e).split())}; a config file holds plain YAML (no tags)")
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 

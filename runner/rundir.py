@@ -167,6 +167,16 @@ def run_dirty(attempts: Iterable[Mapping[str, Any]]) -> bool | None:
     return False if flags and all(f is False for f in flags) else None
 
 
+def dead(attempt: Mapping[str, Any]) -> dict[str, Any]:
+    """An earlier attempt as a resume finds it: one still `running` (its lock is free, so its
+    process is gone: SIGKILL, out of memory, a lost machine) did not end as it claims, and says so."""
+    a = dict(attempt)
+    if a.get("status") == "running":
+        a["status"] = "died"
+        a["note"] = "found running when the run was resumed: its process ended without recording a status"
+    return a
+
+
 class RunLock:
     """An exclusive lock on a run directory (filelock: flock, freed by the OS if the holder dies).
 
@@ -261,7 +271,7 @@ class RunDir:
             if problem:
                 lock.release()
                 raise RunDirError(problem)
-            attempts = [dict(a) for a in old.get("attempts") or []]
+            attempts = [dead(a) for a in old.get("attempts") or []]
             if attempts and "dirty" not in attempts[-1]:  # written before attempts kept the flag:
                 attempts[-1]["dirty"] = (old.get("git") or {}).get("dirty")  # the top level was its
             return cls(found, {**old, **meta, "start_time": old.get("start_time"), "attempts": attempts}, lock)
