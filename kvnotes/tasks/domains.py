@@ -195,9 +195,9 @@ def _type_problem(d: Any) -> str | None:
         v = d.get(key) if key != "rules" else None
         texts = v.values() if isinstance(v, Mapping) else v if isinstance(v, list) else [v]
         for t in texts:
-            problem = control_problem(str(t)) if isinstance(t, str) else None
+            problem = control_problem(t) if isinstance(t, str) else None
             if problem:
-                return f"{key} {t[:40]!r}: {problem}"
+                return f"{key} {str(t)[:40]!r}: {problem}"
     return None
 
 

@@ -79,3 +79,8 @@ def test_a_suite_key_of_the_wrong_type_is_refused(tmp_path, line, match):
 
 def test_an_empty_suite_file_is_refused_instead_of_drawing_every_domain(tmp_path):
     _refused(tmp_path, "# nothing yet\n", "library.yaml is empty; a suite names at least its kind")
+
+
+def test_a_control_character_in_a_domain_s_text_is_refused(tmp_path):
+    _refused(tmp_path, DOMAIN.format(requests='["Renew \\u202e this?"]'),
+             "domain 'library': requests 'Renew \\\\u202e this\\?': it holds the invisible or control character U\\+202E")
