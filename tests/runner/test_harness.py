@@ -32,6 +32,8 @@ def test_a_missing_harness_package_is_one_line_before_the_runner_imports(monkeyp
     monkeypatch.setitem(sys.modules, "runner.main", None)  # importing it first would raise ImportError
     monkeypatch.setitem(sys.modules, "runner.summarize", None)
     monkeypatch.setattr(sys, "argv", [entry, "+experiment=selfcheck"])
+    for name in (entry, f"{entry}.__main__"):  # run fresh, as `python -m` runs it
+        monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(SystemExit) as e:
         runpy.run_module(entry, run_name="__main__", alter_sys=False)
     assert e.value.code == 2
