@@ -34,6 +34,7 @@ from kvnotes.errors import ConfigError
 from kvnotes.measure import provenance
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
+from runner import harness
 from runner.config import CONFIG_DIR, Job, RunConfig, one_line, register_schemas, validate
 from runner.context import Context, check_lengths, item_key, load
 from runner.endings import (
@@ -307,6 +308,7 @@ def cli() -> None:
     (then they want the full trace), we set it, catch composition errors and print one line.
     """
 
+    harness.check()  # a package a job imports after the model loads (scikit-learn), one line now
     prepare()
     if os.environ.get("HYDRA_FULL_ERROR"):
         main()
@@ -316,6 +318,8 @@ def cli() -> None:
         main()
     except (HydraException, OmegaConfBaseException) as e:
         sys.exit(f"error: {compose_message(e)}")
+    except yaml.YAMLError as e:  # a config file Hydra's loader cannot read safely (a !!python tag)
+        sys.exit(f"error: {' '.join(str(e).split())}; a config file holds plain YAML (no tags)")
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 

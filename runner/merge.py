@@ -4,12 +4,15 @@
 
 A run too long for one session runs in shards (`experiment.item_slice=[start,stop]`). Each shard is
 a finished run at the same job, model and commit, with the same config but for its slice, and the
-slices are disjoint. The merge concatenates their records (a unit every shard writes, such as
+slices are disjoint and together cover [0, n_items) with no gap. The merge concatenates their records (a unit every shard writes, such as
 blend's verify record, is kept once, from the first shard, and must be equal in all), recomputes
 the summary from them and writes a new run dir beside the shards whose meta.json names them
-(`merged_from`) and carries every shard's attempts. It is a run like any other: copy it into the
-reference set with `python -m analysis.reference MERGED_DIR`, which applies the usual checks
-(a shard from a dirty tree makes the merged run dirty).
+(`merged_from`) and carries every shard's attempts. An item may sit in one shard only (a unit that
+every shard writes carries no item). It is a run like any other: copy it into the reference set
+with `python -m analysis.reference MERGED_DIR`, which applies the usual checks (a shard from a
+dirty tree makes the merged run dirty at the top level). A shard whose files changed since it
+finished (its recorded digests) is refused; the merged run records digests of its own files
+when every shard recorded them, none when one did not (the reference set then asks for --force).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import yaml
 from omegaconf import OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.measure import digests
 from runner.config import validate
+from runner.files import is_link
 from runner.jobs import discover
 from runner.main import build_summary
-from runner.rundir import new_dir, read_json, write_json
+from runner.rundir import new_dir, read_json, run_dirty, write_json
 
 FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
 
@@ -43,10 +48,31 @@ def _shard(run_dir: Path) -> dict[str, Any]:
     missing = [f for f in FILES if not (run_dir / f).is_file()]
     if missing:
         raise ConfigError(f"{run_dir}: not a finished run dir, missing {', '.join(missing)}")
+    links = [f for f in FILES if is_link(run_dir / f)]
+    if links:
+        raise ConfigError(f"{run_dir}: {', '.join(links)} is a symbolic link; a run dir holds its own files")
     meta = read_json(run_dir / "meta.json")
     if meta.get("status") != "completed":
         raise ConfigError(f"{run_dir}: status {meta.get('status')!r}; only completed shards merge")
+    edited = digests.changed(run_dir, meta)
+    if edited:
+        raise ConfigError(f"{run_dir}: {', '.join(edited)} changed since the shard finished (its sha256 "
+                          "differs from the one in meta.json); merge the shards as they were written")
     return meta
+
+
+def coverage_problem(slices: list[list[int]], n_items: Any) -> str | None:
+    """Why disjoint `slices` do not cover [0, n_items) without a gap (n_items not an int: up to
+    the last stop), or None."""
+    spans = sorted(slices)
+    end = n_items if isinstance(n_items, int) and not isinstance(n_items, bool) else spans[-1][1]
+    edges = [0, *(x for a, b in spans for x in (a, b)), end]
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=True) if a < b]
+    if not gaps:
+        return None
+    where = ", ".join(f"[{a}, {b})" for a, b in gaps)
+    return (f"shard slices {spans} leave items {where} of n_items={end} in no shard: merge every "
+            "shard of the run (a merged run claims all of its items)")
 
 
 def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[list[int]], str | None]:
@@ -79,11 +105,37 @@ def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[st
         flat = [pd.json_normalize(b).iloc[0].to_dict() for b in bare]
         diff = sorted({k for f in flat[1:] for k in set(f) | set(flat[0]) if str(f.get(k)) != str(flat[0].get(k))})
         raise ConfigError(f"shards differ beyond item_slice: {', '.join(diff)}")
+    gap = coverage_problem(slices, _section(bare[0]).get("n_items"))
+    if gap:
+        raise ConfigError(gap)
     return metas, bare, slices, cfgs[0].get("results_dir")
+
+
+def _items(frame: pd.DataFrame) -> set[str]:
+    """The items a shard's records hold (`workload:item_id` where records name a workload)."""
+    if "item_id" not in frame.columns:
+        return set()
+    rows = frame[frame["item_id"].notna()]
+    work = rows["workload"].astype(str) + ":" if "workload" in rows.columns else ""
+    return set(work + rows["item_id"].astype(str))
+
+
+def read_records(run_dir: Path) -> pd.DataFrame:
+    """A shard's records.parquet; ConfigError in one line when it cannot be read (truncated)."""
+    try:
+        return pd.read_parquet(run_dir / "records.parquet")
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{run_dir / 'records.parquet'} cannot be read ({first}); is it truncated?") from None
 
 
 def merged_records(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, set[str]]:
     """The shards' records as one table, and the units every shard wrote (kept once)."""
+    items = [_items(f) for f in frames]
+    twice = sorted(x for i, s in enumerate(items) for t in items[i + 1:] for x in s & t)
+    if twice:
+        raise ConfigError(f"items in more than one shard: {twice[:5]}; each shard holds the items of "
+                          "its own slice (was a shard relabelled, or run twice?)")
     units = [set(f["unit"]) for f in frames]
     shared = set.intersection(*units)
     for f in frames[1:]:
@@ -101,7 +153,7 @@ def merge_runs(shards: list[Path]) -> Path:
     """One run from the shards of a sliced run, written beside them; ConfigError says why not."""
     shards = [Path(d) for d in shards]
     metas, bare, slices, results_dir = check_shards(shards)
-    records, shared = merged_records([pd.read_parquet(d / "records.parquet") for d in shards])
+    records, shared = merged_records([read_records(d) for d in shards])
     cfg = {**bare[0], "results_dir": results_dir}
     discover()
     summary = build_summary(validate(OmegaConf.create(cfg), check_inputs=False), records)
@@ -113,12 +165,26 @@ def merge_runs(shards: list[Path]) -> Path:
                             "start_time": m.get("start_time"), "end_time": m.get("end_time")}
                            for d, sl, m in zip(shards, slices, metas, strict=True)]
     meta["merged_shared_units"] = sorted(shared)
+    dirty = merged_dirty(metas)
+    meta["git"] = {**(meta.get("git") or {}), "dirty": dirty}
+    meta["dirty"] = dirty
+    meta.pop("digests", None)
     dest = new_dir(shards[0].parent)
     (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    write_json(dest / "meta.json", meta)
     records.to_parquet(dest / "records.parquet", index=False)
     write_json(dest / "summary.json", summary)
+    if all(digests.recorded(m) is not None for m in metas):  # else unverified, as its shards are
+        meta["digests"] = digests.run_digests(dest, meta)
+    write_json(dest / "meta.json", meta)
     return dest
+
+
+def merged_dirty(metas: list[dict[str, Any]]) -> bool | None:
+    """The merged run's dirty flag: True when any shard or any of its attempts ran from a dirty
+    tree, False when every one is recorded clean, None when some tree is unknown."""
+    flags = [{"dirty": (m.get("git") or {}).get("dirty")} for m in metas]  # each sums its own attempts
+    kept = [a for m in metas for a in m.get("attempts") or [] if isinstance(a, dict) and "dirty" in a]
+    return run_dirty([*flags, *kept])
 
 
 def main(argv: list[str] | None = None) -> int:

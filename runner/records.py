@@ -33,7 +33,9 @@ def unit_filename(key: object) -> str:
     """A safe, unique file stem for a unit key (unsafe characters replaced, hash appended)."""
     text = str(key)
     safe = re.sub(r"[^A-Za-z0-9._=-]", "_", text)[:80]
-    if safe != text or safe.startswith("."):
+    if safe.startswith("."):  # a hidden name is a temporary file to the writer, never read as a part
+        safe = "_" + safe[1:]
+    if safe != text:
         safe = f"{safe}-{hashlib.sha1(text.encode()).hexdigest()[:8]}"
     return safe
 

@@ -8,7 +8,8 @@ directory and making a new one happen under one lock (`<results>/<job>/.<model>.
 two identical runs started at once never both run: the second finds the first's directory held
 and is refused. A directory holding a link where its own files belong is refused too. A run is
 clean only if every attempt ran from a clean tree: each attempt keeps its commit and dirty flag,
-and the top level (`dirty`, `git.dirty`) is true when any attempt's was.
+and the top level (`dirty`, `git.dirty`) is true when any attempt's was. A completed run records
+the sha256 of its files in meta.json (`digests`), so an edit after the end shows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
+from kvnotes.measure.digests import run_digests
 from runner.files import (
     RunDirError,
     atomic_write,
@@ -165,6 +167,16 @@ def run_dirty(attempts: Iterable[Mapping[str, Any]]) -> bool | None:
     return False if flags and all(f is False for f in flags) else None
 
 
+def dead(attempt: Mapping[str, Any]) -> dict[str, Any]:
+    """An earlier attempt as a resume finds it: one still `running` (its lock is free, so its
+    process is gone: SIGKILL, out of memory, a lost machine) did not end as it claims, and says so."""
+    a = dict(attempt)
+    if a.get("status") == "running":
+        a["status"] = "died"
+        a["note"] = "found running when the run was resumed: its process ended without recording a status"
+    return a
+
+
 class RunLock:
     """An exclusive lock on a run directory (filelock: flock, freed by the OS if the holder dies).
 
@@ -259,7 +271,7 @@ class RunDir:
             if problem:
                 lock.release()
                 raise RunDirError(problem)
-            attempts = [dict(a) for a in old.get("attempts") or []]
+            attempts = [dead(a) for a in old.get("attempts") or []]
             if attempts and "dirty" not in attempts[-1]:  # written before attempts kept the flag:
                 attempts[-1]["dirty"] = (old.get("git") or {}).get("dirty")  # the top level was its
             return cls(found, {**old, **meta, "start_time": old.get("start_time"), "attempts": attempts}, lock)
@@ -314,7 +326,10 @@ class RunDir:
             attempt["wall_s"] = round(time.monotonic() - self.started, 3)
             self.meta["end_time"] = attempt["end_time"]
             self.meta["wall_s"] = round(sum(a.get("wall_s", 0.0) for a in self.meta["attempts"]), 3)
-        self.update(status=status, error=error)
+        self.meta.update(status=status, error=error)
+        if status == "completed":  # the run's files as it leaves them (kvnotes.measure.digests)
+            self.meta["digests"] = run_digests(self.path, self.meta)
+        self.update()
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         write_json(self.path / "summary.json", dict(summary))

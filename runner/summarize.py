@@ -5,7 +5,8 @@
 Records are what was measured; a summary is derived from them. When a job's summary gains a
 metric (or a bug in one is fixed), this rewrites summary.json from records.parquet and the run's
 own config.yaml without re-running a model. The original finish time is kept and the rewrite is
-stamped `resummarized`.
+stamped `resummarized`; a run that recorded digests of its files (meta.json `digests`) gets the
+new summary.json's digest, so the reference set still takes it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.measure.digests import file_sha256, recorded
 from kvnotes.measure.provenance import git_state
 from runner.config import validate
 from runner.jobs import discover
@@ -44,7 +46,18 @@ def resummarize(run_dir: Path, git: dict[str, Any] | None = None) -> dict[str, A
     summary |= {"finished": old.get("finished"), "resummarized": now_iso(),
                 "resummarized_commit": git["commit"], "resummarized_dirty": git["dirty"]}
     write_json(run_dir / "summary.json", summary)
+    refresh_digest(run_dir, "summary.json")
     return summary
+
+
+def refresh_digest(run_dir: Path, name: str) -> None:
+    """meta.json's digest of `name` after a legitimate rewrite; a run that records no digests
+    (finished before runs kept them) is left without (the reference set asks for --force)."""
+    path = run_dir / "meta.json"
+    meta = read_json(path) if path.is_file() else {}
+    if recorded(meta) is not None:
+        meta["digests"] = {**meta["digests"], name: file_sha256(run_dir / name)}
+        write_json(path, meta)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,13 +9,24 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvnotes.measure.digests import run_digests
+
 N_ITEMS = 5
+
+
+def seal(path: Path) -> Path:
+    """The digests the runner records in meta.json when a run completes (kvnotes.measure.digests),
+    of the files as they are now: call it again after a test edits a fixture run on purpose."""
+    meta = json.loads((path / "meta.json").read_text())
+    meta["digests"] = run_digests(path, meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
 
 
 def write_run(root: Path, job: str, model: str, stamp: str, rows: list[dict], *, kind: str = "probe",
               task: str = "gated", status: str = "completed", margin: float | None = None,
               params: dict | None = None) -> Path:
-    """A run folder as experiments.run writes it: config.yaml, meta.json, records, summary."""
+    """A run folder as experiments.run writes it: config.yaml, meta.json (digests too), records, summary."""
     path = root / job / model / stamp
     path.mkdir(parents=True)
     section = {"name": job, "margin": margin, **(params or {})}
@@ -29,4 +40,4 @@ def write_run(root: Path, job: str, model: str, stamp: str, rows: list[dict], *,
     frame = pd.DataFrame([{"unit": f"u{i}", **r} for i, r in enumerate(rows)])
     frame.to_parquet(path / "records.parquet", index=False)
     (path / "summary.json").write_text(json.dumps({"kind": kind, "name": job, "model": model}))
-    return path
+    return seal(path)

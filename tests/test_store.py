@@ -244,3 +244,22 @@ def test_staged_read_gives_the_files_tensors_and_metadata(tmp_path):
             ref = f.get_tensor(name)
             assert host[name].dtype == ref.dtype and torch.equal(host[name], ref)
             assert placed[name].data_ptr() == host[name].data_ptr()  # on CPU: no copy
+
+
+def test_a_full_or_unwritable_store_is_one_store_error_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """save_file's SafetensorError (a full disk, a read-only store) used to reach the caller raw."""
+    m = tiny_model("llama")
+    blk = compose.prefill_block(m, _ids(8, 0))
+
+    def full(tensors, where, metadata=None):
+        Path(where).write_bytes(b"partial")
+        raise store.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(store, "save_file", full)
+    with pytest.raises(store.StoreError, match="cannot write block 'skill' .*No space left on device") as e:
+        store.save_block(tmp_path / "skill.safetensors", m, blk, name="skill")
+    assert "\n" not in str(e.value) and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")  # a store whose folder cannot be made
+    with pytest.raises(store.StoreError, match="cannot write block"):
+        store.save_block(tmp_path / "file" / "skill.safetensors", m, blk, name="skill")

@@ -16,6 +16,7 @@ overhead over its limit. Blocks of format /2 (sha256) still load and are checked
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvnotes.compose.splice import Block
@@ -217,7 +218,6 @@ def save_block(
     if block.cache.n_layers != model.n_layers:
         raise ValueError(f"block has {block.cache.n_layers} layers, the model {model.n_layers}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"ids": block.ids.detach().to("cpu", torch.long).contiguous()}
     for i, (k, v) in enumerate(zip(block.cache.keys, block.cache.values)):
         tensors[f"k.{i}"] = k.detach().cpu().contiguous()  # [1, kv_head, L, d_head]
@@ -229,8 +229,15 @@ def save_block(
     meta = info.to_metadata()
     meta["checksum"] = content_checksum(tensors, meta)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:  # a read-only or full store: one line, no .tmp left
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise StoreError(f"cannot write block {info.name!r} to {path}: {why}") from None
     return path
 
 

@@ -3,6 +3,9 @@
 A *domain* is one gated decision (a field, its two values, the outcome each makes correct); the
 banks (`templates/_<name>.yaml`) hold rule phrasings, fillers, names and the prompt frame. A YAML
 error is one line naming the file and where; format fields are checked against the declared ones.
+A template file is bounded before anything is built from it: at most MAX_FILE_BYTES, no aliases
+(an alias bomb expands a few lines into billions of nodes), nesting at most MAX_DEPTH deep,
+strings at most MAX_TEXT characters, and a domain's list fields lists of strings.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import string
+import unicodedata
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,20 @@ from typing import Any
 import yaml
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
+MAX_FILE_BYTES = 1 << 20  # the built-in files hold < 10 kB
+MAX_TEXT = 2000  # characters in one string (the longest built-in one has 119)
+MAX_DEPTH = 20  # levels of nested mappings and lists (the built-in files use 4)
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """safe_load that refuses aliases: `*name` is an error at its line, never an expansion."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"found an alias (*{event.anchor}); template "
+                                              "files do not use anchors and aliases", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 @dataclass(frozen=True)
@@ -55,16 +73,46 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return " ".join(f"{problem}{where}".split())
 
 
+def bound_problem(data: Any) -> str | None:
+    """Why loaded YAML is beyond a template's bounds (a string past MAX_TEXT, nesting past
+    MAX_DEPTH), naming where; None when within them."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        x, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"{where or 'the top'} is nested more than {MAX_DEPTH} levels deep"
+        if isinstance(x, str) and len(x) > MAX_TEXT:
+            return f"{where or 'the file'} is a string of {len(x)} characters, more than {MAX_TEXT}"
+        if isinstance(x, dict):
+            stack += [(k, f"{where}.{str(k)[:40]} (key)", depth + 1) for k in x]
+            stack += [(v, f"{where}.{str(k)[:40]}".lstrip("."), depth + 1) for k, v in x.items()]
+        elif isinstance(x, list):
+            stack += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+    return None
+
+
 def _read(path: Path) -> dict[str, Any]:
     """A template file's mapping; a file YAML cannot read safely (a tag such as
-    `!!python/object/apply`, broken syntax) is one ValueError line naming the file and line."""
+    `!!python/object/apply`, an alias, broken syntax) or beyond the bounds is one ValueError line
+    naming the file and where."""
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: {size} bytes; a template file holds at most {MAX_FILE_BYTES} bytes")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_PlainLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: {_yaml_problem(e)}; a template file holds plain YAML (no tags)") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deep for YAML to read; a template file nests at most "
+                         f"{MAX_DEPTH} levels") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a template file holds a mapping")
+    problem = bound_problem(data)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     return data
 
 
@@ -108,7 +156,55 @@ def bank(name: str) -> dict[str, Any]:
 CONTEXT_FIELDS = ("name", "num")  # what a domain's context lines are filled with (kvnotes.tasks.gated)
 
 
+ALLOWED_CONTROLS = "\n\t"
+
+
+def control_problem(text: str) -> str | None:
+    """Why `text` may not enter a prompt: it holds an invisible, bidirectional-override or control
+    character (U+202E turns the text after it around on screen, ESC starts a terminal sequence);
+    None when it holds none."""
+    for c in text:
+        if c not in ALLOWED_CONTROLS and unicodedata.category(c) in ("Cc", "Cf", "Co", "Cs", "Cn"):
+            return (f"it holds the invisible or control character U+{ord(c):04X} "
+                    f"({unicodedata.name(c, 'unnamed')}); write plain visible text")
+    return None
+
+
+LIST_FIELDS = ("values", "outcomes", "requests", "rules", "fillers", "distractors")
+TEXT_FIELDS = ("role", "field")
+
+
+def _type_problem(d: Any) -> str | None:
+    """Why a domain's mapping has a field of the wrong type (`requests: hi there` made every
+    request one character), or None."""
+    if not isinstance(d, Mapping):
+        return f"is a mapping of its fields, got {type(d).__name__}"
+    for key in LIST_FIELDS:
+        v = d.get(key)
+        if v is not None and (not isinstance(v, list) or not all(isinstance(x, str | int | float) for x in v)):
+            got = type(v).__name__ if not isinstance(v, list) else "a list holding a non-string"
+            return f"{key} is a list of strings, got {got} ({str(v)[:40]!r})"
+    for key in TEXT_FIELDS:
+        v = d.get(key)
+        if v is not None and not isinstance(v, str | int | float):
+            return f"{key} is a string, got {type(v).__name__}"
+    ctx = d.get("context")
+    if ctx is not None and (not isinstance(ctx, Mapping) or not all(isinstance(x, str) for x in ctx.values())):
+        return f"context is a mapping of strings, got {str(ctx)[:40]!r}"
+    for key in (*TEXT_FIELDS, *LIST_FIELDS, "context"):  # rules: kvnotes.tasks.rules, negation first
+        v = d.get(key) if key != "rules" else None
+        texts = v.values() if isinstance(v, Mapping) else v if isinstance(v, list) else [v]
+        for t in texts:
+            problem = control_problem(t) if isinstance(t, str) else None
+            if problem:
+                return f"{key} {str(t)[:40]!r}: {problem}"
+    return None
+
+
 def domain_from_dict(name: str, d: Mapping[str, Any]) -> Domain:
+    problem = _type_problem(d)
+    if problem:
+        raise ValueError(f"domain {name!r}: {problem}")
     for key, line in dict(d.get("context") or {}).items():
         problem = format_problem(str(line), CONTEXT_FIELDS)
         if problem:
@@ -120,10 +216,10 @@ def domain_from_dict(name: str, d: Mapping[str, Any]) -> Domain:
             field=str(d["field"]),
             values=tuple(str(v) for v in d["values"]),  # type: ignore[arg-type]
             outcomes=tuple(str(o) for o in d["outcomes"]),  # type: ignore[arg-type]
-            requests=tuple(d["requests"]),
-            rules=tuple(d.get("rules", ())),
-            fillers=tuple(d.get("fillers", ())),
-            distractors=tuple(d.get("distractors", ())),
+            requests=tuple(str(r) for r in d["requests"]),
+            rules=tuple(str(r) for r in d.get("rules") or ()),
+            fillers=tuple(str(r) for r in d.get("fillers") or ()),
+            distractors=tuple(str(r) for r in d.get("distractors") or ()),
             context=dict(d.get("context", {})),
         )
     except KeyError as e:

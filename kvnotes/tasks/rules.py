@@ -15,25 +15,65 @@ Before any rendering, a phrasing may use only its declared placeholders, bare ({
 And no case may be stated by negation ("If {field} is not {v0}, ... {o0}", "Unless ...",
 "except when ..."): the pairing check reads the value next to its outcome and would take the
 negated case for the declared one, so a rule saying the opposite of its domain would pass.
-Polarity suites negate through their {trigger} word, never in the phrasing's own words.
+Polarity suites negate through their {trigger} word, never in the phrasing's own words. The
+negation check reads a folded copy of the phrasing (NFKC, zero-width and combining characters
+dropped, curly apostrophes and Cyrillic or Greek look-alikes of Latin letters mapped to Latin), so
+`isn’t`, `no<ZWSP>t` or a Cyrillic о in `not` are read as what they show; what stays ambiguous after
+folding (an invisible, bidirectional or control character; a word mixing Latin with another
+script) is refused.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
-from kvnotes.tasks.domains import Domain, banks, format_problem
+from kvnotes.tasks.domains import Domain, banks, control_problem, format_problem
 
 POLARITY_VARIANTS = ("polarity", "trigger")
 EXAMPLE = "If {field} is {v0}, the next action is {o0}. If {field} is {v1}, the next action is {o1}."
 PLACEHOLDERS = ("field", "v0", "v1", "o0", "o1")
-NEGATION = re.compile(r"\b(not|never|unless|except|neither|nor|other than)\b|\Bn't\b", re.IGNORECASE)
+NEGATION = re.compile(
+    r"\b(not|never|unless|except|excepting|excluding|neither|nor|without|cannot"
+    r"|isnt|arent|wasnt|werent|doesnt|dont|didnt|cant|wont"
+    r"|other\s+than|anything\s+but|all\s+but|but\s+not|apart\s+from|aside\s+from|save\s+for"
+    r"|instead\s+of|rather\s+than)\b|\Bn't\b", re.IGNORECASE)
+# Cyrillic and Greek letters drawn like Latin ones (Unicode's confusables, the common subset), and
+# the apostrophes a contraction may be typed with
+LOOKALIKES = str.maketrans({
+    **dict(zip("аеһіјкмнорстухԁѕԛԝӏ", "aehijkmhopctyxdsqwl", strict=True)),
+    **dict(zip("АВЕНІЈКМОРСТУХЅ", "ABEHIJKMOPCTYXS", strict=True)),
+    **dict(zip("αβεηικμνορτυχ", "abenikmvoptux", strict=True)),
+    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧ", "ABEZHIKMNOPTYX", strict=True)),
+    **dict.fromkeys("\u2019\u2018\u02bc\u2032\u0060\u00b4", "'"),
+})
+
+
+def fold(text: str) -> str:
+    """`text` as a reader sees it: NFKC (no-break and other spaces become spaces), zero-width and
+    other format characters and combining marks dropped, look-alike letters and apostrophes mapped."""
+    text = unicodedata.normalize("NFKC", text)
+    text = "".join(c for c in unicodedata.normalize("NFKD", text) if unicodedata.category(c) not in ("Cf", "Mn"))
+    return unicodedata.normalize("NFC", text).translate(LOOKALIKES)
+
+
+def _script(c: str) -> str:
+    return unicodedata.name(c, "?").split(" ")[0]
+
+
+def mixed_script(text: str) -> str | None:
+    """The first word that mixes Latin letters with letters of another script, or None."""
+    for word in re.findall(r"[^\W\d_]+", unicodedata.normalize("NFKC", text)):
+        scripts = {_script(c) for c in word}
+        if "LATIN" in scripts and len(scripts) > 1:
+            return word
+    return None
 
 
 def negation(template: str) -> str | None:
-    """The first negating word of a phrasing's own text (its placeholders left out), or None."""
-    m = NEGATION.search(re.sub(r"\{[^{}]*\}", " ", template))
+    """The first negating word of a phrasing's own text (its placeholders left out, read folded), or None."""
+    m = NEGATION.search(fold(re.sub(r"\{[^{}]*\}", " ", template)))
     return m.group(0) if m else None
 
 
@@ -48,6 +88,13 @@ def template_problem(template: str, variant: str) -> str | None:
     if word:
         return (f"it states a case by negation ({word!r}), which the pairing check would read as "
                 "the case itself; state each value positively with its own outcome")
+    problem = control_problem(template)
+    if problem:
+        return problem
+    word = mixed_script(template)
+    if word:
+        return (f"its word {word!r} mixes Latin letters with another script, which reads as one word "
+                "and checks as another; write it in one script")
     return None
 
 

@@ -124,17 +124,44 @@ def _select_domains(name: str, data: Mapping[str, Any]) -> tuple[Domain, ...]:
     return tuple(known[n] for n in names)
 
 
+SUITE_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "description": (str,), "variant": (str,), "domains": (str, list),
+    "extra_domains": (dict,), "design": (dict,), "n_items": (int,), "length": (int,), "seed": (int,),
+    "options": (dict,),
+}
+
+
+def suite_type_problem(data: Mapping[str, Any]) -> str | None:
+    """Why a suite file's top-level value has the wrong type (a string where a mapping belongs),
+    or None; unknown keys are refused separately."""
+    for key, types in SUITE_TYPES.items():
+        v = data.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, types) or (int in types and isinstance(v, bool)):
+            want = " or ".join({str: "a string", list: "a list", dict: "a mapping", int: "an integer"}[t]
+                               for t in types)
+            return f"{key} is {want}, got {type(v).__name__} ({str(v)[:40]!r})"
+    return None
+
+
 def load_suite(name: str, template_dirs: Sequence[str | Path] = ()) -> Suite:
     """Read `<name>.yaml`; an unknown name raises UnknownSuiteError listing the valid ones."""
     files = _suite_files(template_dirs)
     if name not in files:
         raise UnknownSuiteError(f"unknown task suite {name!r}; valid suites: {', '.join(sorted(files))}")
     data = _read(files[name])
+    if not data:
+        raise ValueError(f"suite {name!r}: {files[name]} is empty; a suite names at least its kind "
+                         "(e.g. `kind: gated` and `domains: all`)")
     known = {"kind", "description", "variant", "domains", "extra_domains", "design", "n_items",
              "length", "seed", "options"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"suite {name!r}: unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    problem = suite_type_problem(data)
+    if problem:
+        raise ValueError(f"suite {name!r}: {problem}")
     kind = str(data.get("kind", "gated"))
     suite = Suite(
         name=name,

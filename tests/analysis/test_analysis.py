@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from run_folders import N_ITEMS, write_run
+from run_folders import N_ITEMS, seal, write_run
 
 from analysis import aggregate, claims, load, report, verdicts
 from analysis.figures import FIGURES, Skip, build_all
@@ -609,6 +609,7 @@ def test_reference_copy_takes_the_four_files_of_completed_runs_only(tmp_path):
         (run / f).write_text("{}")
     clean = {"status": "completed", "git": {"commit": "0123456789", "dirty": False}}
     (run / "meta.json").write_text(json.dumps(clean))
+    seal(run)
     (run / "store").mkdir()
     dest = reference.copy_run(run, tmp_path / "ref")
     assert dest == tmp_path / "ref" / "edit" / "llama" / "2026-01-01_00-00-00"

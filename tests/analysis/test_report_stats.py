@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from run_folders import seal
 
 from analysis import aggregate, claims, load, reference, report, verdicts
 from analysis.dtype_section import dtype_section
@@ -72,7 +73,7 @@ def _run(root: Path, stamp: str, summary: dict, dirty: bool | None = False, forc
             for i in range(40)]
     pd.DataFrame(rows).to_parquet(path / "records.parquet")
     (path / "summary.json").write_text(json.dumps(summary))
-    return path
+    return seal(path)
 
 
 def test_runs_table_counts_usable_items_from_the_summary(tmp_path):
@@ -114,7 +115,7 @@ def test_reference_refuses_a_dirty_run_unless_forced(tmp_path, capsys):
 
 def test_reference_refuses_runs_without_git_state_or_resumed_across_commits(tmp_path):
     no_git = _run(tmp_path, "2026-01-01_00-00-00", {}, dirty=None)
-    with pytest.raises(ValueError, match="dirty tree"):
+    with pytest.raises(ValueError, match="records no git state at commit 0123456"):
         reference.check_run(no_git)
     two = _run(tmp_path, "2026-01-02_00-00-00", {}, attempts=[{"git_commit": "aaaaaaa1"}, {"git_commit": "bbbbbbb2"}])
     with pytest.raises(ValueError, match="resumed across 2 commits"):
@@ -150,6 +151,7 @@ def test_a_run_whose_commit_is_not_in_the_checkouts_history_is_refused_and_liste
         meta = json.loads((path / "meta.json").read_text())
         meta["git"]["commit"] = commit
         (path / "meta.json").write_text(json.dumps(meta))
+        seal(path)  # the run as it finished, at that commit
     ref = repo / "results" / "reference"
     assert reference.in_history(landed, ref) is True and reference.in_history("f" * 40, ref) is False
     assert reference.in_history(landed, tmp_path / "elsewhere") is None  # no checkout: not judged

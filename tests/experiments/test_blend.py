@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from run_folders import seal
 from tolerances import ATOL_FP32
 
 import runner.main as runner
@@ -196,7 +197,7 @@ def _as_run_dir(root: Path, ctx, stamp: str) -> Path:
                                              "attempts": [{"git_commit": "0123456789abcdef", "dirty": False}]}))
     ctx.writer.read().to_parquet(d / "records.parquet", index=False)
     (d / "summary.json").write_text(json.dumps({"finished": stamp}))
-    return d
+    return seal(d)
 
 
 def test_shards_of_a_sliced_run_merge_into_the_whole_run(tmp_path, model, monkeypatch):

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 from omegaconf import OmegaConf
@@ -17,6 +20,8 @@ import kvnotes.compose.splice
 import runner.main as runner
 from runner import rundir as output
 from runner.rundir import RecordWriter, RunDir, RunDirError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def counted(monkeypatch) -> list[int]:
@@ -121,3 +126,45 @@ def test_record_writer_checks_every_part_it_reads(tmp_path, caplog):
         assert not w.done("a") and not w.done("a")  # one warning, the damaged part is gone
     assert len([r for r in caplog.records if "a.parquet" in r.getMessage()]) == 1
     assert list(w.read()["x"]) == [2.0]
+
+
+# --- issue 54: what a resume finds, and a unit named like a hidden file ----------------------------
+
+
+def test_an_attempt_killed_with_sigkill_is_marked_died_on_the_resume(tmp_path, monkeypatch):
+    path = interrupted_run(tmp_path, monkeypatch, ONE_THREAD)
+    meta = read(path / "meta.json")
+    meta["status"] = meta["attempts"][-1]["status"] = "running"  # what SIGKILL leaves behind
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert runner.run(selfcheck_cfg(tmp_path, ONE_THREAD)) == path
+    attempts = read(path / "meta.json")["attempts"]
+    assert [a["status"] for a in attempts] == ["died", "completed"]
+    assert "ended without recording a status" in attempts[0]["note"]
+
+
+def test_a_unit_key_starting_with_a_dot_is_read_back(tmp_path):
+    """parts/.hidden-<hash>.parquet was marked done and skipped as a temporary file when read."""
+    writer = RecordWriter(tmp_path)
+    writer.write(".hidden", [{"x": 1}])
+    writer.write("..", [{"x": 2}])
+    assert writer.done(".hidden") and writer.done("..")
+    assert sorted(writer.finalize()["unit"]) == ["..", ".hidden"]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "parts").iterdir())
+
+
+BAD_CONFIG = "defaults:\n  - selfcheck\n  - _self_\nseed: !!python/object/apply:os.getpid []\n"
+
+
+def test_a_hydra_config_with_a_python_tag_is_one_error_line(tmp_path):
+    (tmp_path / "configs" / "experiment").mkdir(parents=True)
+    (tmp_path / "configs" / "experiment" / "tagged.yaml").write_text(BAD_CONFIG)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", "+experiment=tagged",
+                           f"hydra.searchpath=[file://{tmp_path / 'configs'}]", f"results_dir={tmp_path}",
+                           "model.name=tiny-llama", "model.tiny_family=llama"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: could not determine a constructor for the tag") and "tagged.yaml" in line
+    assert "no tags" in line and not (tmp_path / "selfcheck").exists()

@@ -3,6 +3,9 @@ stated by negation, a placeholder that reads an attribute, a YAML tag."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from kvnotes.tasks import load_suite
@@ -91,4 +94,45 @@ def test_the_runner_reports_a_yaml_tag_as_one_config_error(tmp_path):
     suite(tmp_path, head="description: !!python/object/apply:os.system ['echo hi']\n")
     with pytest.raises(ConfigError, match="task 'library': .*library.yaml: .*plain YAML") as e:
         GatedTask(name="library", template_dirs=[str(tmp_path)])
+    assert "\n" not in str(e.value)
+
+
+# --- issue 54: negations a reader sees, whatever the code points; what stays ambiguous --------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "word"),
+    [
+        ("If {field} isn\u2019t {v1}, call {o0}. If {field} isn\u2019t {v0}, call {o1}.", "n't"),  # U+2019
+        ("If {field} is anything but {v1}, call {o0}. If {field} is anything but {v0}, call {o1}.", "anything but"),
+        ("Apart from {field} {v1}, call {o0}. Apart from {field} {v0}, call {o1}.", "Apart from"),
+        ("If {field} is other\u00a0than {v1}, call {o0}. If {field} is other\u00a0than {v0}, call {o1}.",
+         "other than"),  # a no-break space
+        ("If {field} is no\u200bt {v1}, call {o0}. If {field} is no\u200bt {v0}, call {o1}.", "not"),  # ZWSP
+        ("If {field} is n\u043et {v1}, call {o0}. If {field} is n\u043et {v0}, call {o1}.", "not"),  # Cyrillic о
+        ("If {field} is \uff4e\uff4f\uff54 {v1}, call {o0}. If {field} is \uff4e\uff4f\uff54 {v0}, call {o1}.",
+         "not"),  # fullwidth letters
+    ],
+)
+def test_a_negation_written_with_other_code_points_or_words_is_refused(tmp_path, rule, word):
+    """Each of these passed the negation check and the pairing check (the case said backwards)."""
+    with pytest.raises(ValueError, match=f"states a case by negation \\({word!r}\\)") as e:
+        load_suite(suite(tmp_path, [rule]), [tmp_path])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("rule", "problem"),
+    [
+        ("If {field} is {v0}, call {o0}.\u202e If {field} is {v1}, call {o1}.", "U+202E"),  # right-to-left override
+        ("If {field} is {v0}, call {o0}.\u001b[2J If {field} is {v1}, call {o1}.", "U+001B"),  # ESC
+        ("If {field} is {v0}, call {o0}.\u0007 If {field} is {v1}, call {o1}.", "U+0007"),  # BEL
+        ("If {field} is {v0}, c\u0430ll {o0}. If {field} is {v1}, call {o1}.", "mixes Latin letters"),
+    ],
+)
+def test_a_rule_with_invisible_control_or_mixed_script_characters_is_refused(tmp_path, rule, problem):
+    text = SUITE.format(extra="    rules:\n      - " + json.dumps(rule) + "\n")
+    (tmp_path / "library.yaml").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(problem)) as e:
+        load_suite("library", [tmp_path])
     assert "\n" not in str(e.value)
