@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-# import name -> distribution, as pyproject.toml's `harness` extra lists them (tests/runner/test_harness.py)
+# import name -> distribution: pyproject.toml's `harness` extra, and pandas and scikit-learn, which the
+# library requires but a broken install can lack (tests/runner/test_harness.py)
 PACKAGES = {
     "hydra": "hydra-core", "omegaconf": "omegaconf", "filelock": "filelock", "pandas": "pandas",
     "pyarrow": "pyarrow", "matplotlib": "matplotlib", "sklearn": "scikit-learn", "httpx": "httpx",
