@@ -27,6 +27,16 @@ RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "se
 KEY = ("job", "model", "task", "seed", "run_variant")  # runs that answer the same question
 PROBES = frozenset({"patching", "suffix", "linear", "knockout"})
 NO_TASK_JOBS = frozenset({"selfcheck", "compose", "compose_scaling", "agent", "blend"})  # ignore cfg.task
+# a user's prompts file (task=pairs): its runs answer the user's question, not the paper's; the
+# claims, sections and figures leave them out unless asked (`user=True`), the pairs section reads them
+USER_TASKS = frozenset({"pairs"})
+
+
+def _suites(df: pd.DataFrame, user: bool) -> pd.DataFrame:
+    if "task" not in df:
+        return df
+    keep = df["task"].isin(USER_TASKS)
+    return df[keep] if user else df[~keep]
 MARGIN_JOBS = frozenset({"patching", "suffix", "knockout", "edit", "ksweep", "wording", "validate_tasks",
                          "distance", "order"})
 
@@ -204,7 +214,7 @@ BESIDE = {"knockout": "decisions"}  # job -> run_variant of reruns kept beside i
 def select(frame: pd.DataFrame, job: str, tasks: Sequence[str] | None = None) -> pd.DataFrame:
     """Records of one job, restricted to the first of `tasks` that has records per model; a rerun of
     part of a job's design (BESIDE: a decision-variant knockout) is left out, read from its summary."""
-    df = frame[frame["job"] == job] if "job" in frame else frame.iloc[:0]
+    df = _suites(frame[frame["job"] == job] if "job" in frame else frame.iloc[:0], user=False)
     if job in BESIDE and "run_variant" in df:
         df = df[df["run_variant"].fillna("") != BESIDE[job]]
     if tasks is None or df.empty:
@@ -218,12 +228,13 @@ def select(frame: pd.DataFrame, job: str, tasks: Sequence[str] | None = None) ->
     return pd.concat(keep) if keep else df.iloc[:0]
 
 
-def summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
+def summaries(frame: pd.DataFrame, job: str, user: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
     """(model, run_id, summary.json) of every `job` run among the frame's runs, oldest first; runs
-    whose summary.json is missing or unreadable are skipped."""
+    whose summary.json is missing or unreadable are skipped. `user`: the runs on a user's prompts
+    file (USER_TASKS) instead of the task suites'."""
     if frame.empty or "job" not in frame:
         return []
-    runs = frame[frame["job"] == job].drop_duplicates("run_id").sort_values("run_id")
+    runs = _suites(frame[frame["job"] == job], user).drop_duplicates("run_id").sort_values("run_id")
     out = []
     for r in runs.itertuples():
         path = Path(str(getattr(r, "run_path", ""))) / "summary.json"
@@ -235,9 +246,9 @@ def summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, A
     return out
 
 
-def newest_summaries(frame: pd.DataFrame, job: str) -> list[tuple[str, str, dict[str, Any]]]:
+def newest_summaries(frame: pd.DataFrame, job: str, user: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
     """(model, run_id, summary.json) of the newest `job` run per model among the frame's runs."""
-    out = {model: (model, run_id, s) for model, run_id, s in summaries(frame, job)}  # newest wins
+    out = {model: (model, run_id, s) for model, run_id, s in summaries(frame, job, user)}  # newest wins
     return list(out.values())
 
 

@@ -32,6 +32,7 @@ from analysis.distance_section import distance_section
 from analysis.dtype_section import dtype_section
 from analysis.figures import build_all
 from analysis.fresh_section import fresh_section
+from analysis.pairs_section import pairs_section
 from analysis.heads_section import heads_section
 from analysis.knockout_section import knockout_section
 from analysis.localize_section import localize_section
@@ -356,7 +357,7 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
     dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
     lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *knockout_section(frame), *heads_section(frame),
               *distance_section(frame, dist_png), *order_section(frame), *localize_section(frame, loc_png),
-              *attribution_section(frame, results),
+              *attribution_section(frame, results), *pairs_section(frame),
               *(dtype_section(results) if Path(results).is_dir() else [])]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs not from a clean commit", "", *dirty_section(frame), "",

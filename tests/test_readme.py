@@ -46,3 +46,13 @@ def test_the_readme_stays_short_and_links_no_outside_file():
     text = README.read_text()
     assert len(text.splitlines()) <= 260  # about 250: a user reads it in five minutes
     assert "PAPER.md" not in text and "ANCHORS.md" not in text and "../shared" not in text
+
+
+@pytest.mark.real
+def test_pairs_example_runs(llama, capsys, monkeypatch):
+    import kvnotes
+
+    monkeypatch.setattr(kvnotes, "load", lambda *a, **k: llama)  # reuse the session's model
+    exec(compile(_example("pairs"), "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "field_only" in out and "notes_only" in out
