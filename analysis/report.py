@@ -32,11 +32,11 @@ from analysis.distance_section import distance_section
 from analysis.dtype_section import dtype_section
 from analysis.figures import build_all
 from analysis.fresh_section import fresh_section
-from analysis.pairs_section import pairs_section
 from analysis.heads_section import heads_section
 from analysis.knockout_section import knockout_section
 from analysis.localize_section import localize_section
 from analysis.order_section import order_section
+from analysis.pairs_section import pairs_section
 from analysis.reference import in_history
 from analysis.verdicts import band, verdict
 from kvnotes.measure.metrics import raw_p_correct
