@@ -49,6 +49,13 @@ def _per_pair(frame: pd.DataFrame, run_id: str, condition: str) -> np.ndarray:
     return pd.to_numeric(d["recovery"], errors="coerce").to_numpy(dtype=float)
 
 
+def _stat(stats: dict[str, Any], clustered: dict[str, Any], key: str) -> str:
+    """mean [item interval] (cluster interval) of one attribution statistic."""
+    c = clustered.get(key)
+    lo = c.get("ci_lo") if isinstance(c, dict) else None
+    return ci_cell(stats.get(key), 3) + (f" ({lo:.3f}, {c['ci_hi']:.3f})" if lo is not None and lo == lo else "")
+
+
 def pairs_section(frame: pd.DataFrame) -> list[str]:
     """Markdown lines for the runs on a prompts file; [] when there are none."""
     patch = newest_summaries(frame, "patching", user=True)
@@ -88,12 +95,7 @@ def pairs_section(frame: pd.DataFrame) -> list[str]:
                   "|---|---|---|---|---|---|"]
         for model, run_id, s in attr:
             st, cl = s.get("stats") or {}, s.get("stats_cluster") or {}
-
-            def cell(key: str) -> str:
-                v = st.get(key)
-                c = cl.get(key) if isinstance(cl.get(key), dict) else None
-                return ci_cell(v, 3) + (f" ({c['ci_lo']:.3f}, {c['ci_hi']:.3f})" if c and c.get("ci_lo") == c.get("ci_lo")
-                                        and c.get("ci_lo") is not None else "")
-            lines.append(f"| {model_label(model)} | `{run_id}` | {s.get('n_usable', '-')} | {cell('spearman_position')} | "
-                         f"{cell('spearman_position_layer')} | {cell('overlap_8')} |")
+            lines.append(f"| {model_label(model)} | `{run_id}` | {s.get('n_usable', '-')} | "
+                         + " | ".join(_stat(st, cl, k) for k in ("spearman_position", "spearman_position_layer",
+                                                                "overlap_8")) + " |")
     return [*lines, ""]
