@@ -84,3 +84,19 @@ def test_an_nnsight_language_model_is_unwrapped_to_its_module():
 def test_something_else_is_refused_in_one_line():
     with pytest.raises(ValueError, match="wrap_model takes an HF causal LM .*, not str"):
         wrap_model("llama")  # type: ignore[arg-type]
+
+
+def test_load_takes_what_a_user_holds():
+    import pytest as _pytest
+
+    import kvnotes as kv
+    from kvnotes.models.tiny import tiny_model
+
+    tiny = tiny_model("llama", seed=0)
+    assert kv.load(tiny) is tiny  # a LoadedModel as it is
+    wrapped = kv.load(tiny.hf, tiny.tokenizer)  # an HF module with its tokenizer
+    assert wrapped.hf is tiny.hf and wrapped.tokenizer is tiny.tokenizer
+    with _pytest.raises(TypeError, match="apply to a name"):
+        kv.load(tiny.hf, dtype="float32")
+    with _pytest.raises(Exception, match="no-such-model"):
+        kv.load("no-such-model")
