@@ -10,7 +10,7 @@ docs/api.md lists the top level with a runnable example of each call.
 
 from kvnotes.compose.splice import prefill_block, splice, transplant
 from kvnotes.edit.editable import EditableCache, EditError, EditResult
-from kvnotes.errors import ConfigError, UnusablePairWarning
+from kvnotes.errors import ConfigError, KvnotesError, UnusablePairWarning
 from kvnotes.measure.score import Metric, kl_to_clean, logit_diff, logprob
 from kvnotes.models.loading import LoadedModel, load, wrap_model
 from kvnotes.pairs import (
@@ -31,6 +31,7 @@ __all__ = [
     "EditError",
     "EditResult",
     "EditableCache",
+    "KvnotesError",
     "LoadedModel",
     "Metric",
     "Pair",

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from kvnotes.compose.splice import Block
 from kvnotes.engine.cache import KVCache
+from kvnotes.errors import KvnotesError
 from kvnotes.models.loading import LoadedModel, weights_id
 
 FORMAT = "kvnotes-block/3"  # /1 had no content checksum; /2 a sha256 (still read)
@@ -40,7 +41,7 @@ CHECKSUM = "xxh3_128"
 SUFFIX = ".safetensors"
 
 
-class StoreError(ValueError):
+class StoreError(KvnotesError, ValueError):
     """A stored block that cannot be used here (unreadable, or made by another model)."""
 
 

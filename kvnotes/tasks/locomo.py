@@ -21,11 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvnotes.errors import KvnotesError
+
 ANSWERABLE = (1, 2, 3, 4)
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial"}
 
 
-class LocomoFormatError(ValueError):
+class LocomoFormatError(KvnotesError, ValueError):
     """The file is not in the LoCoMo format; the message says what is missing."""
 
 

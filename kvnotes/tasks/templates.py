@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvnotes.errors import KvnotesError
 from kvnotes.tasks.domains import (
     TEMPLATE_DIR,
     Domain,
@@ -33,7 +34,7 @@ VARIANTS: tuple[str, ...] = ("field", "control", "polarity", "trigger")
 RULE_POSITIONS = ("policy", "question")
 
 
-class UnknownSuiteError(KeyError):
+class UnknownSuiteError(KvnotesError, KeyError):
     """A suite name with no template file; the message lists the valid names."""
 
     def __str__(self) -> str:

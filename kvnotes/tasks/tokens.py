@@ -15,16 +15,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.errors import KvnotesError
+
 log = logging.getLogger(__name__)
 SENTINEL_SYSTEM = "\x00KVNOTES_SYSTEM\x00"
 SENTINEL_USER = "\x00KVNOTES_USER\x00"
 
 
-class DecisionTokenError(ValueError):
+class DecisionTokenError(KvnotesError, ValueError):
     """Two outcomes share their first token under a tokenizer; the message names them."""
 
 
-class AlignmentError(ValueError):
+class AlignmentError(KvnotesError, ValueError):
     """Old and new ids are not the same length or differ outside the field span."""
 
 
