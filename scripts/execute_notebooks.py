@@ -6,7 +6,7 @@
 01, 03 and 04 run on `--model` (qwen-1.5b by default: the model that shows the effect, in float32;
 04, a user's own prompts, is stored executed on llama: `--model llama 04_your_own_prompts`);
 02 reads `results/reference`. Each notebook's metadata records what it ran on (`kvnotes`: model,
-commit, dirty flag, date), and tests/test_notebooks.py checks that the stored outputs are whole
+commit, dirty flag, date), and tests/cross/test_notebooks.py checks that the stored outputs are whole
 (every code cell run in order, no error) and were made on a clean commit. CI executes them again on
 llama without writing them back.
 """

@@ -15,7 +15,7 @@ shape=${2:-$out/llama-3.1-8b}
 mkdir -p "$out"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -m gpu tests/cross/test_gpu.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 [[ -f $shape/config.json ]] || python3 -m benchmarks.shapes llama-3.1-8b "$shape"
 bench=(python3 -m benchmarks.engine --model "$shape" --random-init --device cuda --dtype bfloat16)
 "${bench[@]}" --lengths 8000 --memory-cap-gib 16 2>&1 | tee "$out/refuse_16gib.log"

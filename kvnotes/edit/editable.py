@@ -18,7 +18,7 @@ trace runs (docs/conventions.md):
 `logits` equals `model.hf` on that cache bit for bit (the same modules, the same kernel), and
 `r.next_token_logits()` within fp32 rounding, not bit for bit: kvnotes runs its own attention
 path (kvnotes.engine.causal), which sums in another order (2.1e-5 at most on llama in fp32,
-over three strategies; tests/test_nnsight.py holds it to 5e-5).
+over three strategies; tests/engine/test_nnsight.py holds it to 5e-5).
 """
 
 from __future__ import annotations

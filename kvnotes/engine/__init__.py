@@ -2,5 +2,5 @@
 
 Owns prefill, extend, batched variant reads, recompute, generation, hooked runs, the KV cache
 value type and RoPE rotation. Imports `kvnotes.models`, `kvnotes.measure` and `kvnotes.errors`
-only; no other module of kvnotes calls a model's forward (tests/test_architecture.py).
+only; no other module of kvnotes calls a model's forward (tests/cross/test_architecture.py).
 """

@@ -13,7 +13,7 @@ import yaml
 from kvnotes.measure import margins
 from kvnotes.models.registry import get_spec
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "model"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 
 def test_rule_is_three_rms_rounded_up():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 410  # "about 400": a module past it is split by what it holds
 ENTRY_FILES = {"experiments/run.py", "experiments/summarize.py"}  # the runner's documented commands
 # folder -> top-level packages it must never import (statically, anywhere in a module)
@@ -272,3 +272,18 @@ def test_no_job_module_is_imported_as_a_library():
                     names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
                 found += [f"{rel(path)}: {n}" for n in names if n in job_modules and n != module_name(path)]
     assert not found, found
+
+
+# tests/<room or package>/test_<module>.py; the checks of the whole repository sit in tests/cross/
+TEST_FOLDERS = {"engine", "edit", "compose", "measure", "models", "tasks", "pairs", "probes", "experiments",
+                "runner", "analysis", "benchmarks", "cross", "fixtures"}
+
+
+def test_tests_mirror_the_packages():
+    tests = ROOT / "tests"
+    flat = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not flat, f"test files outside a package folder (tests/<package>/): {flat}"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders <= TEST_FOLDERS, f"test folders that name no package: {sorted(folders - TEST_FOLDERS)}"
+    rooms = {p.name for p in (ROOT / "kvnotes").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert rooms <= TEST_FOLDERS, f"library rooms without a test folder: {sorted(rooms - TEST_FOLDERS)}"

@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import longrope_model as _longrope_model
 from tolerances import ATOL_FP32
 
 from kvnotes.engine import rope, run
@@ -67,21 +68,6 @@ def test_yarn_scaling_is_divided_out():
 
 
 # --- rope variants a delta rotation cannot move exactly: refused, never silently wrong --------
-
-
-def _longrope_model():
-    """A tiny llama with longrope: short factors up to 64 positions, long factors past them."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kvnotes.models import wrap_model
-    from kvnotes.models.adapters.base import TINY_COMMON
-    from kvnotes.models.tiny import tiny_tokenizer
-
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-            "long_factor": [4.0] * 8, "original_max_position_embeddings": 64, "factor": 4.0}
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_COMMON, rope_parameters=rope))
-    return wrap_model(hf, tiny_tokenizer(), name="tiny-longrope")
 
 
 def test_longrope_is_wrong_past_the_original_context_so_it_is_refused():

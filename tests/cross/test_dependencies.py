@@ -14,7 +14,7 @@ import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ("runner", "experiments", "probes", "analysis", "serving", "benchmarks")
 OURS = {"kvnotes", *HARNESS, "tests", "scripts"}
 # imported by code that runs in its own environment, not this package's: the kvboost worker runs in

@@ -12,7 +12,7 @@ from kvnotes.edit.editable import demo_prompt
 from kvnotes.engine import run
 from kvnotes.models.tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Recording:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import kvnotes
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 def blocks() -> list[str]:

@@ -29,9 +29,9 @@ def test_every_tiny_family_verifies_go(tiny):
 
 
 def test_longrope_is_no_go_and_require_go_refuses_unless_forced():
-    from test_rope import _longrope_model
+    from tiny_models import longrope_model
 
-    m = _longrope_model()
+    m = longrope_model()
     rep = verify.verify(m, n_probes=1)
     assert not rep.go and "longrope" in rep.reasons[0] and not rep.splice
     with pytest.raises(verify.NoGoError, match="longrope"):

@@ -17,7 +17,7 @@ from kvnotes.compose import store
 from kvnotes.engine import run
 from kvnotes.models.tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
