@@ -20,6 +20,7 @@ import pandas as pd
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
 from kvnotes.edit import registry
+from kvnotes.measure import runfiles
 from kvnotes.measure.metrics import wilson_ci
 
 SUITES = ("gated", "gated-fresh")
@@ -36,7 +37,7 @@ def _summaries(frame: pd.DataFrame, job: str) -> dict[str, dict[str, tuple[str, 
     out: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {}
     for r in runs.drop_duplicates("run_id").sort_values("run_id").itertuples():
         try:
-            summary = json.loads((Path(str(r.run_path)) / "summary.json").read_text())
+            summary = json.loads((Path(str(r.run_path)) / runfiles.SUMMARY).read_text())
         except (OSError, json.JSONDecodeError):
             continue
         out.setdefault(str(r.model), {})[str(r.task)] = (str(r.run_id), summary)  # newest wins

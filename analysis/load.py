@@ -20,6 +20,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from kvnotes.measure import runfiles
+
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run_id", "job", "job_kind", "model", "task", "task_n_items", "seed", "commit",
@@ -46,7 +48,7 @@ def find_runs(results: str | Path) -> list[Path]:
     root = Path(results)
     if not root.is_dir():
         return []
-    return sorted(p.parent for p in root.rglob("records.parquet") if not p.name.startswith("."))
+    return sorted(p.parent for p in root.rglob(runfiles.RECORDS) if not p.name.startswith("."))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -94,8 +96,8 @@ def _variant(job: str | None, cfg: dict[str, Any]) -> str:
 def run_info(run_dir: str | Path, results: str | Path | None = None) -> dict[str, Any]:
     """The run columns of one run folder (config.yaml and meta.json; the path where they lack)."""
     path = Path(run_dir)
-    cfg, meta = _read_yaml(path / "config.yaml"), _read_json(path / "meta.json")
-    summary = _read_json(path / "summary.json")
+    cfg, meta = _read_yaml(path / runfiles.CONFIG), _read_json(path / runfiles.META)
+    summary = _read_json(path / runfiles.SUMMARY)
     parts = path.parts
     job = meta.get("name") or summary.get("name") or (parts[-3] if len(parts) >= 3 else None)
     for section in ("probe", "experiment"):
@@ -168,7 +170,7 @@ def latest(runs: pd.DataFrame, key: Sequence[str] = KEY) -> pd.DataFrame:
 def read_records(run: pd.Series | dict[str, Any]) -> pd.DataFrame:
     """The records of one run with its run columns in front. A record column that shares a run
     column's name is kept as `<name>_record`."""
-    rec = pd.read_parquet(Path(run["run_path"]) / "records.parquet")
+    rec = pd.read_parquet(Path(run["run_path"]) / runfiles.RECORDS)
     clash = {c: f"{c}_record" for c in rec.columns if c in RUN_COLUMNS}
     rec = rec.rename(columns=clash)
     front = pd.DataFrame({c: [run[c]] * len(rec) for c in RUN_COLUMNS}, index=rec.index)
@@ -201,7 +203,7 @@ def job_params(frame: pd.DataFrame, run_id: str) -> dict[str, Any]:
     rows = frame.loc[frame["run_id"] == run_id, "run_path"]
     if rows.empty:
         return {}
-    cfg = _read_yaml(Path(str(rows.iloc[0])) / "config.yaml")
+    cfg = _read_yaml(Path(str(rows.iloc[0])) / runfiles.CONFIG)
     for section in ("probe", "experiment"):
         if isinstance(cfg.get(section), dict):
             return dict(cfg[section])
@@ -237,7 +239,7 @@ def summaries(frame: pd.DataFrame, job: str, user: bool = False) -> list[tuple[s
     runs = _suites(frame[frame["job"] == job], user).drop_duplicates("run_id").sort_values("run_id")
     out = []
     for r in runs.itertuples():
-        path = Path(str(getattr(r, "run_path", ""))) / "summary.json"
+        path = Path(str(getattr(r, "run_path", ""))) / runfiles.SUMMARY
         try:
             summary = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvnotes.measure import runfiles
 from kvnotes.measure.margins import RULE, Derivation, derive
 
 CONTROL_SUITE = "gated-control"
@@ -28,18 +29,18 @@ CONTROL_SUITE = "gated-control"
 def from_run(run_dir: Path) -> tuple[str, Derivation]:
     """(model, derivation) of one completed validate_tasks run on the control suite."""
     run_dir = Path(run_dir)
-    for f in ("config.yaml", "meta.json", "records.parquet"):
+    for f in (runfiles.CONFIG, runfiles.META, runfiles.RECORDS):
         if not (run_dir / f).is_file():
             raise ValueError(f"{run_dir}: no {f}; pass a completed validate_tasks run dir")
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    meta = json.loads((run_dir / "meta.json").read_text())
+    cfg = yaml.safe_load((run_dir / runfiles.CONFIG).read_text()) or {}
+    meta = json.loads((run_dir / runfiles.META).read_text())
     job = (cfg.get("experiment") or {}).get("name")
     suite = (cfg.get("task") or {}).get("name")
     if job != "validate_tasks" or suite != CONTROL_SUITE:
         raise ValueError(f"{run_dir}: a {job} run on task {suite}; the rule reads validate_tasks on {CONTROL_SUITE}")
     if meta.get("status") != "completed":
         raise ValueError(f"{run_dir}: status {meta.get('status')!r}; only a completed run gives a margin")
-    rec = pd.read_parquet(run_dir / "records.parquet")
+    rec = pd.read_parquet(run_dir / runfiles.RECORDS)
     deltas = pd.to_numeric(rec["score_new"], errors="coerce") - pd.to_numeric(rec["score_old"], errors="coerce")
     task = cfg.get("task") or {}
     git = meta.get("git") or {}

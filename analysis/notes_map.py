@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvnotes.measure import runfiles
+
 METHODS = {"exact": "recovery", "attribution": "attribution"}  # --method -> the position rows' column
 
 
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--item", default=None, help="item id (default: the usable item with the largest |score delta|)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <run>/figures)")
     a = p.parse_args(argv)
-    records = pd.read_parquet(a.run / "records.parquet")
-    model = json.loads((a.run / "meta.json").read_text()).get("model_name", "?")
+    records = pd.read_parquet(a.run / runfiles.RECORDS)
+    model = json.loads((a.run / runfiles.META).read_text()).get("model_name", "?")
     usable = records[records["condition"] == "tokens"]
     if usable.empty:
         raise SystemExit(f"{a.run}: no item with a per-position map (all skipped, or per_position=false)")

@@ -40,10 +40,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvnotes.measure import digests
+from kvnotes.measure import digests, runfiles
 from kvnotes.models.integrity import sha256_file
 
-FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
+FILES = (runfiles.CONFIG, runfiles.META, runfiles.RECORDS, runfiles.SUMMARY)
 COMMIT = re.compile(r"[0-9a-f]{7,64}")  # a commit id as git prints it: what meta.json may name
 
 
@@ -163,7 +163,7 @@ def check_run(run_dir: Path, force: bool = False, repo: Path | None = None) -> d
     missing = [f for f in FILES if not (run_dir / f).is_file()]
     if missing:
         raise ValueError(f"{run_dir}: not a finished run dir, missing {', '.join(missing)}")
-    meta = json.loads((run_dir / "meta.json").read_text())
+    meta = json.loads((run_dir / runfiles.META).read_text())
     status = meta.get("status")
     if status != "completed":
         raise ValueError(f"{run_dir}: status {status!r}; only completed runs go into the reference set")
@@ -207,7 +207,7 @@ def copy_run(run_dir: Path, to: Path, force: bool = False) -> Path:
     if reason:
         meta["reference"] = {"forced": True, "reason": reason,
                              "copied": datetime.now(UTC).isoformat(timespec="seconds")}
-        (dest / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        (dest / runfiles.META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return dest
 
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             check_destination(run, a.to)
         for run in a.runs:
             dest = copy_run(run, a.to, a.force)
-            forced = json.loads((dest / "meta.json").read_text()).get("reference")
+            forced = json.loads((dest / runfiles.META).read_text()).get("reference")
             print(dest if not forced else f"{dest} (forced: {forced['reason']})")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -39,6 +39,7 @@ from analysis.order_section import order_section
 from analysis.pairs_section import pairs_section
 from analysis.reference import in_history
 from analysis.verdicts import band, verdict
+from kvnotes.measure import runfiles
 from kvnotes.measure.metrics import raw_p_correct
 
 # --- cells --------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def dev_runs(frame: pd.DataFrame) -> set[str]:
 
 
 def _summary(run_path: Any) -> dict[str, Any]:
-    path = Path(str(run_path)) / "summary.json"
+    path = Path(str(run_path)) / runfiles.SUMMARY
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, json.JSONDecodeError):
@@ -204,7 +205,7 @@ def summary_checks(frame: pd.DataFrame) -> list[str]:
     """Recomputed means vs the summary.json of each run, where both report the same number."""
     out = []
     for run_id, d in frame.groupby("run_id"):
-        path = Path(str(d["run_path"].iloc[0])) / "summary.json"
+        path = Path(str(d["run_path"].iloc[0])) / runfiles.SUMMARY
         if not path.exists():
             continue
         s = json.loads(path.read_text())

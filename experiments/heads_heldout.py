@@ -54,6 +54,7 @@ import pandas as pd
 from experiments.shared.run_dirs import run_model_name
 from kvnotes.edit.patching import PatchPair, make_pair
 from kvnotes.errors import ConfigError
+from kvnotes.measure import runfiles
 from kvnotes.measure.metrics import ci_dict
 from probes.parts.common import (
     attention_to_cache,
@@ -142,7 +143,7 @@ def read_frozen(source: str, model_name: str, n_heads: int) -> FrozenHeads:
     finished run, is a run of another model, or has fewer than `n_heads` per-head effects. Read
     once per version of its records (the config check before weights load and the run share it)."""
     try:
-        stamp: int | None = (Path(source) / "records.parquet").stat().st_mtime_ns
+        stamp: int | None = (Path(source) / runfiles.RECORDS).stat().st_mtime_ns
     except OSError:
         stamp = None
     return _read_frozen(source, stamp, model_name, n_heads)
@@ -154,7 +155,7 @@ def _read_frozen(source: str, stamp: int | None, model_name: str, n_heads: int) 
     path = Path(source)
     if not path.is_dir():
         raise ConfigError(f"{where} is not a directory; give a finished heads_heldout run directory")
-    if not (path / "records.parquet").is_file():
+    if not (path / runfiles.RECORDS).is_file():
         raise ConfigError(f"{where} has no records.parquet: not a finished run (give a completed heads_heldout run)")
     model = run_model_name(path)
     if model is None:
@@ -162,7 +163,7 @@ def _read_frozen(source: str, stamp: int | None, model_name: str, n_heads: int) 
     if model != model_name:
         raise ConfigError(f"{where} is a run of model {model!r}, not {model_name!r}: heads are frozen per model")
     try:
-        records = pd.read_parquet(path / "records.parquet")
+        records = pd.read_parquet(path / runfiles.RECORDS)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: records.parquet cannot be read ({type(e).__name__})") from None
     single = records[records["condition"] == "head_single"] if "condition" in records else records.iloc[:0]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from kvnotes.measure import runfiles
 from kvnotes.tasks import summarize as summarize_records
 from kvnotes.tasks.scoring import decision_logits, score_item
 from kvnotes.tasks.validate import record, usable_ids
@@ -78,7 +79,7 @@ def run(ctx: Context) -> None:
 
 def _suite_of(run_dir: Any) -> str:
 
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg = yaml.safe_load((run_dir / runfiles.CONFIG).read_text())
     return str((cfg.get("task") or {}).get("name", "?"))
 
 
@@ -89,8 +90,8 @@ def markdown_table(run_dirs: list[str]) -> str:
             " | raw flip | mean abs delta | usable (recovery) | usable (P(correct)) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for d in map(Path, run_dirs):
-        s = json.loads((d / "summary.json").read_text())
-        meta = json.loads((d / "meta.json").read_text())
+        s = json.loads((d / runfiles.SUMMARY).read_text())
+        meta = json.loads((d / runfiles.META).read_text())
         suite = _suite_of(d)
         rows = {**s["per_domain"], "**all**": s["overall"]}
         for dom, g in rows.items():

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kvnotes.measure import runfiles
 from runner.files import RunDirError, disk_problem, remove_tmp
 from runner.rundir import RunDir
 
@@ -58,7 +59,7 @@ def record_end(rd: RunDir, status: str, error: str | None = None) -> None:
     try:
         rd.set_status(status, error=error)
     except OSError as e:
-        log.error("could not record status %s in %s: %s", status, rd.path / "meta.json", e.strerror or e)
+        log.error("could not record status %s in %s: %s", status, rd.path / runfiles.META, e.strerror or e)
 
 
 def disk_failure(rd: RunDir, e: BaseException) -> RunDirError | None:

@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvnotes.measure import runfiles
+
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the disk, not the code: no traceback
 
@@ -87,7 +89,7 @@ def remove_tmp(folder: Path) -> list[str]:
     """Remove the `.*.tmp` files directly in `folder` and in its `parts/` (links only unlinked,
     never followed); the names removed."""
     gone = []
-    for d in (folder, folder / "parts"):
+    for d in (folder, folder / runfiles.PARTS):
         if is_link(d) or not d.is_dir():
             continue
         for p in d.iterdir():

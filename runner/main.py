@@ -31,7 +31,7 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from kvnotes.errors import ConfigError
-from kvnotes.measure import provenance
+from kvnotes.measure import provenance, runfiles
 from kvnotes.measure.timing import MemoryBudgetError, check_fits, torch_threads
 from kvnotes.models import LoadedModel, WeightsError, resolve_device
 from runner import harness
@@ -114,9 +114,9 @@ def hydra_overrides() -> list[str] | None:
 def record_invocation(path: Path, attempt: int) -> None:
     """command.txt (one line per attempt) and overrides.yaml (this attempt's): how to rerun it."""
 
-    append_text(path / "command.txt", f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
+    append_text(path / runfiles.COMMAND, f"# attempt {attempt}, {now_iso()}, cwd {Path.cwd()}\n{command_line()}\n")
     overrides = hydra_overrides()
-    atomic_write(path / "overrides.yaml", yaml.safe_dump(overrides if overrides is not None else [],
+    atomic_write(path / runfiles.OVERRIDES, yaml.safe_dump(overrides if overrides is not None else [],
                                                          default_flow_style=False).encode())
 
 
@@ -125,7 +125,7 @@ class RunLog:
     never through a link)."""
 
     def __init__(self, path: Path) -> None:
-        self.handler = NoFollowFileHandler(path / "run.log", encoding="utf-8")
+        self.handler = NoFollowFileHandler(path / runfiles.LOG, encoding="utf-8")
         self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
         self.root = logging.getLogger()
         self.level = self.root.level
@@ -295,7 +295,7 @@ def main(cfg: DictConfig) -> None:
         line, code = interrupted_line(e)
         print(line, file=sys.stderr)
         sys.exit(code)
-    print(summary_table(read_json(path / "summary.json")))
+    print(summary_table(read_json(path / runfiles.SUMMARY)))
     print(f"run dir: {path}")
     print(reading_tip(path))
 

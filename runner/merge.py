@@ -28,14 +28,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from kvnotes.errors import ConfigError
-from kvnotes.measure import digests
+from kvnotes.measure import digests, runfiles
 from runner.config import validate
 from runner.files import is_link
 from runner.jobs import discover
 from runner.main import build_summary
 from runner.rundir import new_dir, read_json, run_dirty, write_json
 
-FILES = ("config.yaml", "meta.json", "records.parquet", "summary.json")
+FILES = (runfiles.CONFIG, runfiles.META, runfiles.RECORDS, runfiles.SUMMARY)
 
 
 def _section(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def _shard(run_dir: Path) -> dict[str, Any]:
     links = [f for f in FILES if is_link(run_dir / f)]
     if links:
         raise ConfigError(f"{run_dir}: {', '.join(links)} is a symbolic link; a run dir holds its own files")
-    meta = read_json(run_dir / "meta.json")
+    meta = read_json(run_dir / runfiles.META)
     if meta.get("status") != "completed":
         raise ConfigError(f"{run_dir}: status {meta.get('status')!r}; only completed shards merge")
     edited = digests.changed(run_dir, meta)
@@ -87,7 +87,7 @@ def check_shards(shards: list[Path]) -> tuple[list[dict[str, Any]], list[dict[st
     commits = {str((m.get("git") or {}).get("commit")) for m in metas}
     if len(commits) != 1:
         raise ConfigError(f"shards must run at one commit, got {', '.join(sorted(c[:7] for c in commits))}")
-    cfgs = [yaml.safe_load((d / "config.yaml").read_text()) for d in shards]
+    cfgs = [yaml.safe_load((d / runfiles.CONFIG).read_text()) for d in shards]
     raw = [_section(c).get("item_slice") for c in cfgs]
     slices = [[int(a), int(b)] for a, b in (x for x in raw if isinstance(x, list) and len(x) == 2)]
     if len(slices) != len(raw):
@@ -123,10 +123,10 @@ def _items(frame: pd.DataFrame) -> set[str]:
 def read_records(run_dir: Path) -> pd.DataFrame:
     """A shard's records.parquet; ConfigError in one line when it cannot be read (truncated)."""
     try:
-        return pd.read_parquet(run_dir / "records.parquet")
+        return pd.read_parquet(run_dir / runfiles.RECORDS)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"{run_dir / 'records.parquet'} cannot be read ({first}); is it truncated?") from None
+        raise ConfigError(f"{run_dir / runfiles.RECORDS} cannot be read ({first}); is it truncated?") from None
 
 
 def merged_records(frames: list[pd.DataFrame]) -> tuple[pd.DataFrame, set[str]]:
@@ -157,7 +157,7 @@ def merge_runs(shards: list[Path]) -> Path:
     cfg = {**bare[0], "results_dir": results_dir}
     discover()
     summary = build_summary(validate(OmegaConf.create(cfg), check_inputs=False), records)
-    summary["finished"] = max(str(read_json(d / "summary.json").get("finished")) for d in shards)
+    summary["finished"] = max(str(read_json(d / runfiles.SUMMARY).get("finished")) for d in shards)
     meta = dict(metas[0])
     meta["attempts"] = [a for m in metas for a in m.get("attempts") or []]
     meta["end_time"] = max(str(m.get("end_time")) for m in metas)
@@ -170,12 +170,12 @@ def merge_runs(shards: list[Path]) -> Path:
     meta["dirty"] = dirty
     meta.pop("digests", None)
     dest = new_dir(shards[0].parent)
-    (dest / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    records.to_parquet(dest / "records.parquet", index=False)
-    write_json(dest / "summary.json", summary)
+    (dest / runfiles.CONFIG).write_text(yaml.safe_dump(cfg, sort_keys=False))
+    records.to_parquet(dest / runfiles.RECORDS, index=False)
+    write_json(dest / runfiles.SUMMARY, summary)
     if all(digests.recorded(m) is not None for m in metas):  # else unverified, as its shards are
         meta["digests"] = digests.run_digests(dest, meta)
-    write_json(dest / "meta.json", meta)
+    write_json(dest / runfiles.META, meta)
     return dest
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvnotes.measure import runfiles
 from runner.files import RunDirError, atomic_write, is_link
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ class RecordWriter:
     """Appends the records of one unit at a time as parts/<unit>.parquet, atomically, checksummed."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.parts = run_dir / "parts"
-        self.records_path = run_dir / "records.parquet"
+        self.parts = run_dir / runfiles.PARTS
+        self.records_path = run_dir / runfiles.RECORDS
         if is_link(self.parts):
             raise RunDirError(f"{self.parts} is a symbolic link; a run keeps its parts in its own "
                               "folder: remove the link, or pass resume=false to start a new run")

@@ -30,6 +30,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
+from kvnotes.measure import runfiles
 from kvnotes.measure.digests import run_digests
 from runner.files import (
     RunDirError,
@@ -51,8 +52,7 @@ NOT_HASHED = ("resume", "results_dir", "cache_dir", "progress", "threads",  # do
               "verify_weights")
 OPEN_LOCK = ".{model}.open.lock"  # beside <results>/<job>/<model>/, which holds run dirs only
 OPEN_WAIT_S = 60.0  # another opener holds it for milliseconds; a minute means something is stuck
-RUN_FILES = ("meta.json", "config.yaml", "command.txt", "run.log", "overrides.yaml", "records.parquet",
-             "summary.json", "parts", ".lock", ".holder.json")
+RUN_FILES = runfiles.ALL
 
 
 def config_hash(cfg: DictConfig, device: str) -> str:
@@ -118,7 +118,7 @@ def open_lock(parent: Path) -> Iterator[None]:
 def _status(path: Path, chash: str) -> str | None:
     """The status in path/meta.json when its config hash is `chash`, else None."""
     try:
-        m = read_json(path / "meta.json")
+        m = read_json(path / runfiles.META)
     except (OSError, json.JSONDecodeError):
         return None
     return str(m.get("status")) if m.get("config_hash") == chash else None
@@ -184,8 +184,8 @@ class RunLock:
     second process that finds the directory taken can say by whom.
     """
 
-    LOCK = ".lock"
-    HOLDER = ".holder.json"
+    LOCK = runfiles.LOCK
+    HOLDER = runfiles.HOLDER
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -266,7 +266,7 @@ class RunDir:
             if _status(found, chash) == "completed":  # finished while we looked: never rewrite it
                 lock.release()
                 continue
-            old = read_json(found / "meta.json")
+            old = read_json(found / runfiles.META)
             problem = commit_problem(found, old, meta)
             if problem:
                 lock.release()
@@ -282,7 +282,7 @@ class RunDir:
         lock = RunLock(path)
         if not lock.acquire():  # nobody else knows this directory yet
             raise RunDirError(f"{path} is in use by {lock.holder()}")
-        atomic_write(path / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
+        atomic_write(path / runfiles.CONFIG, OmegaConf.to_yaml(cfg, resolve=True).encode())
         return cls(path, {**meta, "config_hash": chash, "start_time": now_iso(), "attempts": []}, lock)
 
     def _begin_attempt(self, meta: Mapping[str, Any], attempt: Mapping[str, Any] | None) -> None:
@@ -311,11 +311,11 @@ class RunDir:
         """meta.json with `fields`; on a full disk, rewritten over its own blocks instead."""
         self.meta.update(fields)
         try:
-            write_json(self.path / "meta.json", self.meta)
+            write_json(self.path / runfiles.META, self.meta)
         except OSError as e:
-            if not disk_problem(e) or not (self.path / "meta.json").is_file():
+            if not disk_problem(e) or not (self.path / runfiles.META).is_file():
                 raise
-            rewrite_in_place(self.path / "meta.json", self.meta)
+            rewrite_in_place(self.path / runfiles.META, self.meta)
 
     def set_status(self, status: str, error: str | None = None) -> None:
         """running | completed | interrupted | failed; closes the current attempt's timing."""
@@ -332,4 +332,4 @@ class RunDir:
         self.update()
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        write_json(self.path / "summary.json", dict(summary))
+        write_json(self.path / runfiles.SUMMARY, dict(summary))

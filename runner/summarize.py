@@ -20,6 +20,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from kvnotes.errors import ConfigError
+from kvnotes.measure import runfiles
 from kvnotes.measure.digests import file_sha256, recorded
 from kvnotes.measure.provenance import git_state
 from runner.config import validate
@@ -32,28 +33,28 @@ def resummarize(run_dir: Path, git: dict[str, Any] | None = None) -> dict[str, A
     """Rewrite one run's summary.json; `git`: the code's state, taken once before a batch writes
     anything (else the first rewritten summary would make the tree dirty for the rest)."""
     run_dir = Path(run_dir)
-    for f in ("config.yaml", "records.parquet"):
+    for f in (runfiles.CONFIG, runfiles.RECORDS):
         if not (run_dir / f).is_file():
             raise ConfigError(f"{run_dir}: no {f}; only a finished run can be summarised again")
     discover()
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = OmegaConf.load(run_dir / runfiles.CONFIG)
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{run_dir}/config.yaml is not a mapping")
     job = validate(cfg, check_inputs=False)  # the run's inputs were checked when it ran
-    old = read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
-    summary = build_summary(job, pd.read_parquet(run_dir / "records.parquet"))
+    old = read_json(run_dir / runfiles.SUMMARY) if (run_dir / runfiles.SUMMARY).is_file() else {}
+    summary = build_summary(job, pd.read_parquet(run_dir / runfiles.RECORDS))
     git = git or git_state()  # the code that summarised again (the records keep the run's own commit)
     summary |= {"finished": old.get("finished"), "resummarized": now_iso(),
                 "resummarized_commit": git["commit"], "resummarized_dirty": git["dirty"]}
-    write_json(run_dir / "summary.json", summary)
-    refresh_digest(run_dir, "summary.json")
+    write_json(run_dir / runfiles.SUMMARY, summary)
+    refresh_digest(run_dir, runfiles.SUMMARY)
     return summary
 
 
 def refresh_digest(run_dir: Path, name: str) -> None:
     """meta.json's digest of `name` after a legitimate rewrite; a run that records no digests
     (finished before runs kept them) is left without (the reference set asks for --force)."""
-    path = run_dir / "meta.json"
+    path = run_dir / runfiles.META
     meta = read_json(path) if path.is_file() else {}
     if recorded(meta) is not None:
         meta["digests"] = {**meta["digests"], name: file_sha256(run_dir / name)}

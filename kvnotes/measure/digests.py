@@ -15,8 +15,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-DIGESTED = ("config.yaml", "records.parquet", "summary.json")  # hashed byte for byte
-META = "meta.json"  # hashed as canonical JSON, less UNSEALED
+from kvnotes.measure import runfiles
+
+DIGESTED = (runfiles.CONFIG, runfiles.RECORDS, runfiles.SUMMARY)  # hashed byte for byte
+META = runfiles.META  # hashed as canonical JSON, less UNSEALED
 UNSEALED = ("digests", "reference")  # the record itself, and the reference set's mark on a copy
 CHUNK = 1 << 22
 

@@ -287,3 +287,22 @@ def test_tests_mirror_the_packages():
     assert folders <= TEST_FOLDERS, f"test folders that name no package: {sorted(folders - TEST_FOLDERS)}"
     rooms = {p.name for p in (ROOT / "kvnotes").iterdir() if p.is_dir() and not p.name.startswith("__")}
     assert rooms <= TEST_FOLDERS, f"library rooms without a test folder: {sorted(rooms - TEST_FOLDERS)}"
+
+
+RUN_FILE_NAMES = {"summary.json", "meta.json", "records.parquet", "config.yaml", "command.txt", "run.log",
+                  "overrides.yaml", ".holder.json"}
+
+
+def test_run_dir_files_are_spelled_in_one_module():
+    """kvnotes.measure.runfiles names every file of a run dir; no other module spells one as a string."""
+    owner = ROOT / "kvnotes" / "measure" / "runfiles.py"
+    spelled = {}
+    for folder in ("kvnotes", "runner", "analysis", "experiments", "benchmarks", "probes", "serving", "scripts"):
+        for path in modules(folder):
+            if path == owner:
+                continue
+            hits = sorted({n.value for n in ast.walk(ast.parse(path.read_text(), str(path)))
+                           if isinstance(n, ast.Constant) and n.value in RUN_FILE_NAMES})
+            if hits:
+                spelled[rel(path)] = hits
+    assert not spelled, f"run-dir file names spelled outside kvnotes/measure/runfiles.py: {spelled}"
