@@ -182,7 +182,12 @@ class EditableCache:
             raise EditError(str(e)) from None
         if erratum is not None:
             _check_own_erratum(erratum, strategy, field, wording)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise EditError(f"k (note positions recomputed by 'selective') must be an int >= 0, got {k!r}")
         at = self._locate(old)
+        if len(self._encode(self.prompt[:at] + new + self.prompt[at + len(old):])) < 2:
+            raise EditError(f"replacing {old[:40]!r} by {new[:40]!r} leaves fewer than two tokens of prompt; "
+                            "an edit keeps a prompt to read the decision from")
         if strategy == "erratum":
             text = erratum if erratum is not None else self._wording(at, old, new, field, wording)
             return self._erratum(at, old, text, insert_before)

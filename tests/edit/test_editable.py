@@ -133,3 +133,15 @@ def test_named_wordings_are_unchanged_beside_an_own_erratum(ec):
 def test_own_erratum_misuse_is_one_line(ec, kwargs, message):
     with pytest.raises(EditError, match=message):
         ec.edit("account_role: admin", "account_role: guest", **kwargs)
+
+
+def test_an_edit_that_leaves_no_prompt_or_a_negative_k_is_one_edit_error(tiny_llama_vocab):
+    from kvnotes import EditableCache, EditError
+
+    prompt = "role: admin\nReply:"
+    cache = EditableCache(tiny_llama_vocab, prompt)
+    for strategy in ("erratum", "full_downstream", "oracle"):
+        with pytest.raises(EditError, match="fewer than two tokens"):
+            cache.edit(prompt, "", strategy=strategy)
+    with pytest.raises(EditError, match="k .* must be an int >= 0"):
+        cache.edit("admin", "guest", strategy="selective", k=-5)
