@@ -19,18 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHUNK = 1 << 22
+from kvnotes.measure.digests import file_sha256
+
 HEADER_MAX = 100 << 20  # safetensors refuses larger headers too
 SMALL = 64 << 20  # files below this size are hashed in full on every load
 WEIGHTS_SUFFIX = ".safetensors"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
+sha256_file = file_sha256  # the one file hash (kvnotes.measure.digests), under the name the weights code reads
 
 
 def safetensors_header(path: Path) -> bytes:
