@@ -18,6 +18,7 @@ import pandas as pd
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
 from analysis.load import summaries
+from analysis.sections import Inputs, section
 
 
 def _cell(s: dict[str, Any], name: str, digits: int = 3) -> str:
@@ -106,3 +107,8 @@ def attribution_section(frame: pd.DataFrame, results: str | Path) -> list[str]:
                "| exact / attribution | reps | machine | JSON |", "|---" * 9 + "|", *bench]
               if bench else ["No committed benchmark timed both maps yet."])
     return [*lines, ""]
+
+
+@section('Attribution against exact patching', 80, jobs=('attribution',), reads=('stats', 'stats_cluster'))
+def _render(inputs: Inputs) -> list[str]:
+    return attribution_section(inputs.frame, inputs.results)

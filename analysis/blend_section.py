@@ -11,6 +11,7 @@ import pandas as pd
 
 from analysis.aggregate import model_label
 from analysis.load import summaries
+from analysis.sections import Inputs, section
 
 SEAMS_SHOWN = (2, 8, 32)  # seam repair K read out beside the budgets below
 BUDGETS_SHOWN = ("@15%", "@20%")  # budgeted methods shown in the table (every budget is in the frontier line)
@@ -122,3 +123,8 @@ def versus_lines(vs: dict[str, Any], workload: str) -> list[str]:
                          f"{cluster_pair(r.get('cosine'), 4)} | {'yes' if name in v.get('beats', []) else 'no'} | "
                          f"{'yes' if r.get('disjoint') else 'no'} |")
     return [*lines, ""]
+
+
+@section('Composition head to head (blend)', 10, jobs=('blend',), reads=('workloads', 'methods', 'versus'))
+def _render(inputs: Inputs) -> list[str]:
+    return blend_section(inputs.frame)

@@ -23,6 +23,7 @@ import pandas as pd
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
 from analysis.load import newest_summaries
+from analysis.sections import Inputs, section
 
 TITLE = "Field after the rule, filler downstream: recovery by distance"
 MIN_USABLE = 6  # half of the 12 items per distance of the reference runs
@@ -96,3 +97,8 @@ def distance_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
         lines += ["By model size (smallest first): " + "; ".join(readings) + ". With a handful of models and "
                   "these intervals, this describes these models; it is not a test of a size trend.", ""]
     return lines
+
+
+@section('Field-to-decision distance', 50, jobs=('distance',), reads=('per_distance',))
+def _render(inputs: Inputs) -> list[str]:
+    return distance_section(inputs.frame, inputs.figures.get("distance"))

@@ -18,6 +18,7 @@ import pandas as pd
 from analysis import load
 from analysis.aggregate import ci_table, model_label, to_float
 from analysis.claims import zero_eps
+from analysis.sections import Inputs, section
 
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
 
@@ -69,3 +70,8 @@ def dtype_section(results: str | Path) -> list[str]:
     if not out:
         return []
     return ["## What the dtype changes", "", __doc__.split("\n\n")[1].replace("\n", " ").strip(), "", *out]
+
+
+@section('bfloat16 beside float32', 100, jobs=('patching',), reads=('recovery',))
+def _render(inputs: Inputs) -> list[str]:
+    return dtype_section(inputs.results) if Path(inputs.results).is_dir() else []

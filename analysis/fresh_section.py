@@ -19,6 +19,7 @@ import pandas as pd
 
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
+from analysis.sections import Inputs, section
 from kvnotes.edit import registry
 from kvnotes.measure import runfiles
 from kvnotes.measure.metrics import wilson_ci
@@ -115,3 +116,8 @@ def fresh_section(frame: pd.DataFrame) -> list[str]:
         else:
             out += ["Edit: no run on both suites yet.", ""]
     return out
+
+
+@section('Unseen domains (gated-fresh)', 20, jobs=('patching', 'edit'), reads=('n_usable', 'recovery', 'strategies'))
+def _render(inputs: Inputs) -> list[str]:
+    return fresh_section(inputs.frame)

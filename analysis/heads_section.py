@@ -20,6 +20,7 @@ import pandas as pd
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell, cluster_pair
 from analysis.load import summaries
+from analysis.sections import Inputs, section
 
 RANKINGS = (("attention", "attention to the notes"), ("effect_heldout", "effect on the other items (held out)"),
             ("effect", "effect on the item itself (in sample)"), ("random", "random"))
@@ -115,3 +116,8 @@ def reading(s: dict[str, Any]) -> str:
         out += (f" Above 1 at k = {k} ({', '.join(over)}): the patched heads push the decision past the new "
                 "run's score, an overshoot, not a fuller recovery.")
     return out
+
+
+@section('Read heads held out', 40, jobs=('heads_heldout',), reads=('curves', 'frozen'))
+def _render(inputs: Inputs) -> list[str]:
+    return heads_section(inputs.frame)

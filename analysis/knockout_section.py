@@ -16,6 +16,7 @@ import pandas as pd
 from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell, cluster_pair
 from analysis.load import summaries
+from analysis.sections import Inputs, section
 
 VARIANTS = (("decision", "decision token only"), ("after_notes", "every later query"))
 
@@ -53,3 +54,8 @@ def knockout_section(frame: pd.DataFrame) -> list[str]:
             "decisions, the wider of the two intervals.", "",
             "| model | run | mask | back (raw) | random (raw) | back (calibrated) | random (calibrated) "
             "| reversion >= 0.5 | moved away |", "|---" * 9 + "|", *rows, ""]
+
+
+@section('Knockout as decisions', 30, jobs=('knockout',), reads=('decision', 'after_notes'))
+def _render(inputs: Inputs) -> list[str]:
+    return knockout_section(inputs.frame)

@@ -14,6 +14,7 @@ from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell, cluster_pair
 from analysis.distance_section import size_of
 from analysis.load import newest_summaries
+from analysis.sections import Inputs, section
 
 TITLE = "Where the notes are: positions ranked on held-out items"
 
@@ -91,3 +92,8 @@ def localize_section(frame: pd.DataFrame, figure: str | None = None) -> list[str
             lines += ["", f"{label}: {s['reading']}"]
         lines += [""]
     return lines
+
+
+@section('Localization on held-out items', 70, jobs=('localize',), reads=('k_threshold', 'sets'))
+def _render(inputs: Inputs) -> list[str]:
+    return localize_section(inputs.frame, inputs.figures.get("localize_notes"))

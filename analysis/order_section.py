@@ -18,6 +18,7 @@ from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell
 from analysis.distance_section import size_of
 from analysis.load import newest_summaries
+from analysis.sections import Inputs, section
 
 TITLE = "Field/rule order x what follows them x stretch: which positions carry the decision"
 HYPOTHESIS = (
@@ -102,3 +103,8 @@ def order_section(frame: pd.DataFrame) -> list[str]:
                          f"{', '.join(d.get('carriers_by_stretch') or [])} | {d.get('predicted')} | {d.get('verdict')} |")
         lines += ["", f"{label}: {matches(pooled)}.", ""]
     return lines
+
+
+@section('Order, content and distance', 60, jobs=('order',), reads=('cells', 'pooled'))
+def _render(inputs: Inputs) -> list[str]:
+    return order_section(inputs.frame)

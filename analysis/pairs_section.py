@@ -19,6 +19,7 @@ from analysis.aggregate import model_label
 from analysis.blend_section import ci_cell, cluster_pair
 from analysis.knockout_section import share_cell
 from analysis.load import USER_TASKS, newest_summaries
+from analysis.sections import Inputs, section
 from kvnotes.measure.metrics import wilson_ci
 
 CONDITIONS = ("field_only", "notes_only", "full_downstream")
@@ -99,3 +100,8 @@ def pairs_section(frame: pd.DataFrame) -> list[str]:
                          + " | ".join(_stat(st, cl, k) for k in ("spearman_position", "spearman_position_layer",
                                                                 "overlap_8")) + " |")
     return [*lines, ""]
+
+
+@section('Your own prompts', 90, jobs=('patching', 'knockout', 'attribution'), reads=('recovery', 'decision', 'stats'))
+def _render(inputs: Inputs) -> list[str]:
+    return pairs_section(inputs.frame)

@@ -22,21 +22,11 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import load
+from analysis import load, sections
 from analysis.aggregate import model_label, reference, to_float
-from analysis.attribution_section import attribution_section
-from analysis.blend_section import blend_section
 from analysis.claims import all_claims
 from analysis.claims import ours as ours  # re-exported: notebooks call report.ours(frame, claim)
-from analysis.distance_section import distance_section
-from analysis.dtype_section import dtype_section
 from analysis.figures import build_all
-from analysis.fresh_section import fresh_section
-from analysis.heads_section import heads_section
-from analysis.knockout_section import knockout_section
-from analysis.localize_section import localize_section
-from analysis.order_section import order_section
-from analysis.pairs_section import pairs_section
 from analysis.reference import in_history
 from analysis.verdicts import band, verdict
 from kvnotes.measure import runfiles
@@ -354,12 +344,9 @@ def render(frame: pd.DataFrame, results: Path, fig_dir: Path, out: Path,
                   "verdict under the earlier band.", ""]
     if identities:
         lines += [f"Not counted: {identities} identity row(s) (full-downstream equals the oracle by construction).", ""]
-    loc_png = next((os.path.relpath(p, out.parent) for p in made.get("localize_notes", []) if str(p).endswith(".png")), None)
-    dist_png = next((os.path.relpath(p, out.parent) for p in made.get("distance", []) if str(p).endswith(".png")), None)
-    lines += ["## Claims", "", *body, *blend_section(frame), *fresh_section(frame), *knockout_section(frame), *heads_section(frame),
-              *distance_section(frame, dist_png), *order_section(frame), *localize_section(frame, loc_png),
-              *attribution_section(frame, results), *pairs_section(frame),
-              *(dtype_section(results) if Path(results).is_dir() else [])]
+    pngs = {k: os.path.relpath(next(p for p in v if str(p).endswith(".png")), out.parent)
+            for k, v in made.items() if any(str(p).endswith(".png") for p in v)}
+    lines += ["## Claims", "", *body, *sections.render_all(sections.Inputs(frame, Path(results), pngs))]
     if len(frame):
         lines += ["## Runs", "", *runs_section(frame), "", "### Runs not from a clean commit", "", *dirty_section(frame), "",
                   "## Cross-check against summary.json", "",
