@@ -88,16 +88,12 @@ def metric_scores(
     """The metric of each variant of `old` (positions[i] at layers[i] from `new`; keys hidden by
     `key_mask`), summed over its terms: each term runs the last prompt token and its teacher-forced
     continuation once per variant, reading only its vocabulary rows unless `full_vocab`."""
-    total = np.zeros(len(positions))
-    for term in metric.terms:
-        logits = read_variants(
-            model, old, new, positions, torch.tensor([term.tail(last)]), layers, key_mask, batch_size,
-            mask_layers=mask_layers, mask_heads=mask_heads,
-            vocab=None if full_vocab or term.vocab is None else list(term.vocab),
-        )  # [n, tail, vocab or |term.vocab|]
-        rows = term.select(logits) if full_vocab else logits
-        total += term.fn(rows).cpu().numpy().astype(np.float64)
-    return total
+    def run(tail: list[int], vocab: tuple[int, ...] | None) -> Tensor:
+        logits = read_variants(model, old, new, positions, torch.tensor([tail]), layers, key_mask, batch_size,
+                               mask_layers=mask_layers, mask_heads=mask_heads,
+                               vocab=None if full_vocab or vocab is None else list(vocab))  # [n, tail, k]
+        return logits[..., list(vocab)] if full_vocab and vocab is not None else logits
+    return metric.read(run, last).cpu().numpy().astype(np.float64)
 
 
 def make_pair(model: LoadedModel, item: Any) -> PatchPair:

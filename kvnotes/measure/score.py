@@ -67,7 +67,7 @@ class Metric:
         runs the last prompt token and the term's continuation after every variant ([n, tail, k])."""
         if self.needs_reference:
             raise ValueError(f"metric {self.name!r} needs the clean logits first: metric.bind(clean_logits)")
-        out = [t.fn(run(t.tail(last), t.vocab)).float() for t in self.terms]
+        out = [t.fn(run(t.tail(last), t.vocab)).double() for t in self.terms]  # summed in float64
         return torch.stack(out).sum(0)
 
     def __call__(self, logits: Float[Tensor, "*batch vocab"]) -> Float[Tensor, "*batch"]:

@@ -129,8 +129,8 @@ def as_item(tok: Any, obj: Mapping[str, Any], path: str = "") -> TaskItem:
     its outcomes the two answers (the probes' decisions compare their first tokens)."""
     pair = pair_of(tok, obj)
     a, b = (str(x) for x in obj["answers"])
-    firsts = logit_diff(tok, a, b, pair.new_text).terms
-    ids = (firsts[0].vocab or (firsts[0].continuation[0], firsts[1].continuation[0]))[:2]
+    terms = pair.metric.terms if pair.metric.name.startswith("logit_diff") else logit_diff(tok, a, b, pair.new_text).terms
+    ids = (terms[0].vocab or (terms[0].continuation[0], terms[1].continuation[0]))[:2]  # the answers' first tokens
     if ids[0] == ids[1]:
         raise PairError(f"{obj['id']}: answers {a!r} and {b!r} start with the same token; the probes' decisions "
                         "compare first tokens: choose answers whose first tokens differ")
